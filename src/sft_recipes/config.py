@@ -1,0 +1,263 @@
+"""The recipe schema: one flat YAML mapped onto TRL's dataclasses plus ours, with CLI overrides.
+
+A recipe key belongs to exactly one of `DataArguments`, `ModelArguments` or `TrainingArguments`
+(TRL's `SFTConfig` extended); any key
+can be overridden with `--key value` after the recipe path. Unlike TRL's own parser, every unknown
+key is an error naming the closest valid keys, every value is type-checked against its field
+before anything heavy happens, and string values may use `${VAR}` / `${VAR:-default}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from trl import ModelConfig, ScriptArguments, SFTConfig
+
+DATASET_FORMATS = ("alpaca", "messages", "text")
+
+
+@dataclass
+class DataArguments(ScriptArguments):
+    """TRL's dataset arguments plus how rows become training text."""
+
+    dataset_format: Literal["alpaca", "messages", "text"] = field(
+        default="messages",
+        metadata={"help": "Row schema: 'alpaca' (instruction/input/output), 'messages' (chat), 'text'."},
+    )
+    dataset_revision: str | None = field(default=None, metadata={"help": "Dataset commit/tag to pin."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N rows."})
+
+
+@dataclass
+class ModelArguments(ModelConfig):
+    """TRL's model arguments plus what the recipes need to export and track a run."""
+
+    export_dtype: Literal["auto", "bfloat16", "float32"] = field(
+        default="auto",
+        metadata={"help": "dtype of the consolidated checkpoint; 'auto' keeps the training dtype."},
+    )
+    verify_export: bool = field(
+        default=True,
+        metadata={"help": "Reload the exported checkpoint on rank 0 and compare logits with the trained model."},
+    )
+    mlflow_experiment_name: str | None = field(
+        default=None, metadata={"help": "Default MLflow experiment; MLFLOW_EXPERIMENT_NAME wins when set."}
+    )
+
+
+@dataclass
+class TrainingArguments(SFTConfig):
+    """TRL's SFTConfig plus the FSDP2 settings an accelerate config file cannot express."""
+
+    fsdp_reduce_dtype: Literal["float32", "bfloat16"] = field(
+        default="float32",
+        metadata={"help": "Gradient reduce-scatter dtype under FSDP2 mixed precision (fp32 keeps small updates)."},
+    )
+
+
+RECIPE_DATACLASSES = (DataArguments, ModelArguments, TrainingArguments)
+
+# Keys that must never be written into a recipe: they would end up in saved training arguments.
+SECRET_KEYS = {"hub_token": "HF_TOKEN"}
+
+_ENV_PATTERN = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+@dataclass
+class Recipe:
+    data: DataArguments
+    model: ModelArguments
+    training: TrainingArguments
+    source: Path
+    values: dict[str, Any]  # the merged, interpolated key/values, for logging and planning
+
+
+class RecipeError(ValueError):
+    """Bad recipe input; the message lists every problem found, each with its fix."""
+
+
+def _field_owners() -> dict[str, list[type]]:
+    owners: dict[str, list[type]] = {}
+    for cls in RECIPE_DATACLASSES:
+        for f in dataclasses.fields(cls):
+            if f.init:
+                owners.setdefault(f.name, []).append(cls)
+    return owners
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    hints: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            hints.update(typing.get_type_hints(klass))
+    return hints
+
+
+def interpolate_env(value: Any, missing: list[str]) -> Any:
+    """Expand ${VAR} and ${VAR:-default} in every string of a YAML value; record unset names."""
+    if isinstance(value, str):
+
+        def expand(match: re.Match) -> str:
+            name, default = match.group(1), match.group(2)
+            if name in os.environ:
+                return os.environ[name]
+            if default is not None:
+                return default
+            missing.append(name)
+            return match.group(0)
+
+        expanded = _ENV_PATTERN.sub(expand, value)
+        # A value that was only a variable reads as YAML would ("8" -> 8, "true" -> True).
+        return yaml.safe_load(expanded) if expanded != value and _ENV_PATTERN.fullmatch(value) else expanded
+    if isinstance(value, dict):
+        return {k: interpolate_env(v, missing) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate_env(v, missing) for v in value]
+    return value
+
+
+def _coerce(value: Any, annotation: Any) -> Any:
+    """Return `value` as `annotation`, or raise TypeError. Accepts what YAML and the CLI produce."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if annotation is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg)
+            except TypeError as err:
+                errors.append(str(err))
+        raise TypeError(" or ".join(errors))
+    if origin is Literal:
+        if value in args:
+            return value
+        raise TypeError(f"one of {list(args)}")
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        choices = [m.value for m in annotation]
+        if value in choices or isinstance(value, annotation):
+            return value
+        raise TypeError(f"one of {choices}")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError("true or false")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise TypeError("an integer")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads "2e-5" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise TypeError("a number")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise TypeError("a string")
+    if origin is list:
+        if isinstance(value, list):
+            return [_coerce(v, args[0]) for v in value] if args else value
+        raise TypeError("a list")
+    if origin is dict or annotation is dict:
+        if isinstance(value, dict):
+            return value
+        raise TypeError("a mapping")
+    return value  # types we do not model (callables, objects): let the dataclass validate
+
+
+def parse_cli_overrides(argv: list[str]) -> dict[str, Any]:
+    """`--key value`, `--key=value` and bare `--flag` (true) into a dict of YAML-typed values."""
+    overrides: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("--") or token == "--":
+            raise RecipeError(f"Unexpected argument {token!r}: overrides are written `--key value` or `--key=value`.")
+        key, sep, raw = token[2:].partition("=")
+        key = key.replace("-", "_")
+        if not sep:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                raw = argv[i + 1]
+                i += 1
+            else:
+                raw = "true"
+        overrides[key] = yaml.safe_load(raw) if raw != "" else ""
+        i += 1
+    return overrides
+
+
+def read_recipe_file(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        nearby = sorted(p.as_posix() for p in Path("recipes").rglob("*.yaml")) if Path("recipes").is_dir() else []
+        hint = f" Available recipes: {', '.join(nearby)}." if nearby else ""
+        raise RecipeError(f"Recipe file not found: {path}.{hint}")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{path} is not valid YAML: {err}") from None
+    if not isinstance(values, dict):
+        raise RecipeError(f"{path} must be a mapping of key: value, got {type(values).__name__}.")
+    return values
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] | None = None) -> Recipe:
+    """Parse, interpolate, validate and build the dataclasses of one recipe. Raises RecipeError."""
+    values = read_recipe_file(path)
+    cli = parse_cli_overrides(overrides) if isinstance(overrides, list) else dict(overrides or {})
+    values.update(cli)
+
+    missing_env: list[str] = []
+    values = {key: interpolate_env(value, missing_env) for key, value in values.items()}
+
+    owners = _field_owners()
+    hints = {cls: _type_hints(cls) for cls in RECIPE_DATACLASSES}
+    problems: list[str] = []
+    if missing_env:
+        names = ", ".join(sorted(set(missing_env)))
+        problems.append(f"environment variable(s) {names} are not set: export them or write ${{VAR:-default}}")
+    kwargs: dict[type, dict[str, Any]] = {cls: {} for cls in RECIPE_DATACLASSES}
+    for key, value in values.items():
+        if key in SECRET_KEYS:
+            problems.append(f"'{key}' must not be written in a recipe: set the {SECRET_KEYS[key]} environment variable")
+            continue
+        if key not in owners:
+            close = difflib.get_close_matches(key, owners.keys(), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            problems.append(f"unknown key '{key}'{hint}")
+            continue
+        for cls in owners[key]:
+            try:
+                kwargs[cls][key] = _coerce(value, hints[cls][key])
+            except TypeError as err:
+                problems.append(f"'{key}' must be {err}, got {value!r} ({type(value).__name__})")
+                break
+    if problems:
+        raise RecipeError(f"{path}: " + "; ".join(problems) + ".")
+
+    built = []
+    for cls in RECIPE_DATACLASSES:
+        try:
+            built.append(cls(**kwargs[cls]))
+        except (ValueError, TypeError) as err:
+            raise RecipeError(f"{path}: {cls.__name__} rejected the recipe: {err}") from None
+    data, model, training = built
+    return Recipe(data=data, model=model, training=training, source=Path(path), values=values)

@@ -1,0 +1,113 @@
+"""FSDP2 on any machine, and proof at start that the run really is what the launcher asked for.
+
+accelerate 1.15 only promotes a run to FSDP on accelerators: on CPU the same config silently
+becomes DDP over gloo (``use_cpu``) or N independent single-process runs, and still exits 0.
+`enable_cpu_fsdp` closes that gap so the CPU test bed exercises the real FSDP2 code path, and
+`verify_distributed` refuses to train when the trainer is not running what was launched.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from accelerate.state import AcceleratorState, DistributedType, PartialState
+
+
+def fsdp_requested() -> bool:
+    """True when the launcher (accelerate config or TrainingArguments.fsdp) asked for FSDP."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def requested_fsdp_version() -> int:
+    return int(os.environ.get("FSDP_VERSION", "1"))
+
+
+def launched_world_size() -> int:
+    """World size the launcher (torchrun / accelerate launch / srun) started, 1 without one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def enable_cpu_fsdp() -> None:
+    """Let accelerate run FSDP over gloo when there is no accelerator (idempotent).
+
+    accelerate decides the distributed type once, in `AcceleratorState.__init__`, and only
+    upgrades MULTI_GPU-like types to FSDP. We upgrade MULTI_CPU the same way, on both
+    `AcceleratorState` and `PartialState`, whose shared state the Trainer reads afterwards.
+    """
+    if torch.cuda.is_available() or getattr(AcceleratorState.__init__, "_cpu_fsdp", False):
+        return
+    original_init = AcceleratorState.__init__
+
+    @functools.wraps(original_init)
+    def init_with_cpu_fsdp(self, *args, fsdp_plugin=None, **kwargs):
+        original_init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if self.distributed_type == DistributedType.MULTI_CPU and fsdp_plugin is not None:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+            if self._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+    init_with_cpu_fsdp._cpu_fsdp = True
+    AcceleratorState.__init__ = init_with_cpu_fsdp
+
+
+def verify_distributed(trainer) -> str:
+    """Fail loudly unless the trainer runs what the launcher asked for; return a one-line summary.
+
+    Checks: the world size the trainer sees equals the launched one (independent single-process
+    runs are the silent failure mode), and FSDP2 is active when FSDP was requested.
+    """
+    accelerator = trainer.accelerator
+    launched = launched_world_size()
+    problems = []
+    if accelerator.num_processes != launched:
+        problems.append(
+            f"the launcher started WORLD_SIZE={launched} processes but the trainer sees "
+            f"num_processes={accelerator.num_processes} (each process is training alone)"
+        )
+    if fsdp_requested():
+        plugin = getattr(accelerator.state, "fsdp_plugin", None)
+        version = getattr(plugin, "fsdp_version", None)
+        if not trainer.is_fsdp_enabled or accelerator.distributed_type != DistributedType.FSDP:
+            problems.append(
+                f"the accelerate config asks for FSDP but the trainer runs {accelerator.distributed_type.value}"
+            )
+        elif version != requested_fsdp_version() or version != 2:
+            problems.append(f"the config asks for FSDP{requested_fsdp_version()} but the trainer runs FSDP{version}")
+    if problems:
+        raise RuntimeError(
+            "Refusing to train: " + "; ".join(problems) + ". Launch with `accelerate launch --config_file "
+            "accelerate_configs/<config>.yaml scripts/sft.py RECIPE` (on CPU, scripts/sft.py enables FSDP "
+            "through sft_recipes.distributed.enable_cpu_fsdp), and check num_processes/num_machines there."
+        )
+    kind = f"FSDP{requested_fsdp_version()}" if fsdp_requested() else accelerator.distributed_type.value
+    return f"{kind} over {accelerator.num_processes} process(es) on {accelerator.device.type}"
+
+
+def assert_model_is_fsdp2(model: torch.nn.Module) -> None:
+    """Internal invariant after `accelerator.prepare`: the root module is an FSDP2 module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    assert isinstance(model, FSDPModule), f"expected an FSDP2-wrapped model, got {type(model).__name__}"
+
+
+def set_fsdp_reduce_dtype(trainer, dtype_name: str) -> None:
+    """Reduce gradients in `dtype_name` under FSDP2 mixed precision (accelerate configs can't say it).
+
+    Must run before `trainer.train()`, where accelerate applies the policy to the model.
+    """
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    if policy is None:  # full precision: nothing is reduced in a lower dtype
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    plugin.mixed_precision_policy = MixedPrecisionPolicy(
+        param_dtype=policy.param_dtype,
+        reduce_dtype=getattr(torch, dtype_name),
+        output_dtype=policy.output_dtype,
+        cast_forward_inputs=policy.cast_forward_inputs,
+    )

@@ -1,0 +1,83 @@
+"""The final checkpoint: consolidated from FSDP2 shards on rank 0, then reloaded and checked.
+
+`Trainer.save_model` under FSDP2 with SHARDED_STATE_DICT writes only DCP shards (and, for PEFT,
+no adapter at all) yet exits 0; we gather a full state dict explicitly and save a plain Hugging
+Face checkpoint, then prove it by reloading it and comparing logits with the trained model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from accelerate.utils import broadcast_object_list
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _original_class(model: torch.nn.Module) -> type:
+    """FSDP2 swaps the class to `FSDP<Name>`; the checkpoint must name the transformers class."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers.") and issubclass(cls, transformers.PreTrainedModel):
+            return cls
+    raise AssertionError(f"{type(model).__name__} is not a transformers model")
+
+
+def export_consolidated(trainer, output_dir: str | Path, export_dtype: str = "auto") -> Path:
+    """Write model.safetensors shards + config + generation config + tokenizer to `output_dir`.
+
+    Collective: every rank must call it (the full state dict is all-gathered onto rank 0's CPU).
+    """
+    output_dir = Path(output_dir)
+    accelerator = trainer.accelerator
+    state_dict = accelerator.get_state_dict(trainer.model)
+    if accelerator.is_main_process:
+        model = accelerator.unwrap_model(trainer.model)
+        if export_dtype != "auto":
+            dtype = DTYPES[export_dtype]
+            state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+            model.config.dtype = dtype
+        model_class = _original_class(model)
+        model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+        # save_pretrained records type(model).__name__, which FSDP2 changed to FSDP<Name>.
+        config = transformers.AutoConfig.from_pretrained(output_dir)
+        config.architectures = [model_class.__name__]
+        config.save_pretrained(output_dir)
+        trainer.processing_class.save_pretrained(output_dir)
+    accelerator.wait_for_everyone()
+    return output_dir
+
+
+@torch.no_grad()
+def verify_export(trainer, output_dir: str | Path, probe_ids: list[int], atol: float | None = None) -> float:
+    """Reload `output_dir` on rank 0 and compare its logits with the trained (sharded) model's.
+
+    Collective. Returns the max abs logit difference on every rank; raises on every rank (so no
+    rank is left waiting in a collective) when it exceeds `atol`.
+    """
+    accelerator = trainer.accelerator
+    model = trainer.model
+    was_training = model.training
+    model.eval()
+    input_ids = torch.tensor([probe_ids], device=accelerator.device)
+    trained_logits = model(input_ids=input_ids).logits.float().cpu()
+    model.train(was_training)
+
+    outcome: list = [None]
+    if accelerator.is_main_process:
+        reloaded_class = getattr(transformers, transformers.AutoConfig.from_pretrained(output_dir).architectures[0])
+        reloaded = reloaded_class.from_pretrained(output_dir).eval()
+        reloaded_dtype = next(reloaded.parameters()).dtype
+        tolerance = atol if atol is not None else (1e-4 if reloaded_dtype == torch.float32 else 5e-2)
+        logits = reloaded(input_ids=input_ids.cpu()).logits.float()
+        diff = (logits - trained_logits).abs().max().item()
+        outcome = [(diff, tolerance)]
+    broadcast_object_list(outcome, from_process=0)
+    diff, tolerance = outcome[0]
+    if not diff <= tolerance:
+        raise RuntimeError(
+            f"The exported checkpoint in {output_dir} does not reproduce the trained model: max |logit diff| "
+            f"{diff:.3g} > {tolerance:g}. Do not use it; re-export from the last checkpoint."
+        )
+    return diff

@@ -1,0 +1,57 @@
+"""Load the tokenizer and the model a recipe names, with the class its checkpoint declares.
+
+Loading through `config.architectures` (not a fixed AutoModelForCausalLM) is what keeps a VLM-style
+checkpoint such as qwen3_5 whole: the exported model has the architecture that came in.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+TINY_SCHEME = "tiny:"  # "tiny:llama" -> a tiny random stand-in built offline (sft_recipes.tiny)
+
+
+def resolve_model_path(model_name_or_path: str) -> str:
+    if model_name_or_path.startswith(TINY_SCHEME):
+        from sft_recipes.tiny import ensure_tiny
+
+        return ensure_tiny(model_name_or_path[len(TINY_SCHEME) :])
+    return model_name_or_path
+
+
+def load_tokenizer(model_args) -> PreTrainedTokenizerBase:
+    path = resolve_model_path(model_args.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision)
+    if tokenizer.pad_token is None:
+        # Base checkpoints (Llama-3.1-8B) ship no pad token. Padding never reaches the loss: the
+        # collator sets labels to -100 on every padded position, whatever token fills them.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def model_class_for(config) -> type[PreTrainedModel]:
+    """The class the checkpoint was saved from (e.g. Qwen3_5ForConditionalGeneration)."""
+    for name in config.architectures or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModelForCausalLM
+
+
+def load_model(model_args, model_path: str | None = None) -> PreTrainedModel:
+    path = model_path or resolve_model_path(model_args.model_name_or_path)
+    config = AutoConfig.from_pretrained(path, revision=model_args.model_revision)
+    dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
+    model = model_class_for(config).from_pretrained(
+        path,
+        revision=model_args.model_revision,
+        dtype=dtype,
+        attn_implementation=model_args.attn_implementation,
+    )
+    # A KV cache is useless in training and disables transformers' packed-sequence detection.
+    model.config.use_cache = False
+    if hasattr(model.config, "text_config"):
+        model.config.get_text_config().use_cache = False
+    return model

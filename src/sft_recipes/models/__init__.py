@@ -1,0 +1,12 @@
+"""Per-architecture fixes for block-diagonal packing, keyed by ``model_type``.
+
+``prepare_for_packing(model)`` applies what an architecture needs so that examples packed in one
+row never see each other; ``check_packing_leak(config, attn_implementation)`` proves it on a tiny
+random copy of the architecture before training starts. Architectures without an entry (Llama and
+most decoders) need nothing beyond the packing kwargs; the preflight still checks them.
+"""
+
+from sft_recipes.models.preflight import check_packing_leak
+from sft_recipes.models.registry import PACKING_QUIRKS, PackingQuirk, prepare_for_packing
+
+__all__ = ["PACKING_QUIRKS", "PackingQuirk", "check_packing_leak", "prepare_for_packing"]
