@@ -18,6 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+from sft_recipes.hub import enable_fast_downloads
+
+enable_fast_downloads()  # before anything imports huggingface_hub
+
 from sft_recipes.config import RecipeError, load_recipe
 from sft_recipes.data.formats import check_columns
 from sft_recipes.data.sources import load_raw_dataset
@@ -64,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     # ── Tokenizer ─────────────────────────────────────────────────────────────────────────────
-    model_path = resolve_model_path(model_args.model_name_or_path)
-    tokenizer = load_tokenizer(model_args)
+    with training_args.main_process_first(local=False, desc="tiny model build"):
+        model_path = resolve_model_path(model_args.model_name_or_path)
+    tokenizer = load_tokenizer(model_args, model_path)
     with training_args.main_process_first(desc="dataset preparation"):
         train_dataset = prepare_train_dataset(raw_dataset, data_args, tokenizer)
 
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         probe_ids = trainer.train_dataset[0]["input_ids"][:64]
         logit_diff = verify_export(trainer, output_dir, probe_ids)
     if is_main:
-        report = summary.finish(train_seconds, output_dir, tracking_uri, logit_diff, resumed_from=resume_from)
+        report = summary.finish(train_seconds, output_dir, tracking_uri, logit_diff, resume_from, layout)
         Path(output_dir, "run_summary.json").write_text(json.dumps(report, indent=2))
         print(summary.closing_line(report), flush=True)
     return 0

@@ -21,8 +21,8 @@ def resolve_model_path(model_name_or_path: str) -> str:
     return model_name_or_path
 
 
-def load_tokenizer(model_args) -> PreTrainedTokenizerBase:
-    path = resolve_model_path(model_args.model_name_or_path)
+def load_tokenizer(model_args, model_path: str | None = None) -> PreTrainedTokenizerBase:
+    path = model_path or resolve_model_path(model_args.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision)
     if tokenizer.pad_token is None:
         # Base checkpoints (Llama-3.1-8B) ship no pad token. Padding never reaches the loss: the

@@ -41,6 +41,14 @@ class RunSummaryCallback(TrainerCallback):
         self.last_step = 0
         self._step_started = 0.0
         self.step_seconds: list[float] = []
+        self.mlflow_run_id: str | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and "mlflow" in (args.report_to or []):
+            import mlflow  # MLflowCallback, earlier in the callback list, has started the run
+
+            run = mlflow.active_run()
+            self.mlflow_run_id = run.info.run_id if run else None
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_started = time.perf_counter()
@@ -56,9 +64,10 @@ class RunSummaryCallback(TrainerCallback):
             self.losses[state.global_step] = float(logs["loss"])
 
     def finish(self, train_seconds: float, output_dir: Path, tracking_uri: str | None, logit_diff: float | None,
-               resumed_from: str | None) -> dict[str, Any]:
+               resumed_from: str | None, distributed: str) -> dict[str, Any]:
         steps_run = len(self.step_seconds)
         return {
+            "distributed": distributed,
             "steps": self.last_step,
             "steps_this_run": steps_run,
             "resumed_from": resumed_from,
@@ -69,6 +78,7 @@ class RunSummaryCallback(TrainerCallback):
             "checkpoint": str(output_dir),
             "export_max_logit_diff": logit_diff,
             "mlflow_tracking_uri": tracking_uri,
+            "mlflow_run_id": self.mlflow_run_id,
         }
 
     @staticmethod
