@@ -14,9 +14,10 @@ import pytest
 
 from sft_recipes import tiny
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from conftest import REPO_ROOT, SHARED_REALWORLD
+
 SAMPLES = REPO_ROOT / "data" / "samples"
-REAL_ALPACA = tiny.REALWORLD_DIR / "data" / "tatsu-lab__alpaca.torchtune_alpaca_tiny.jsonl"
+REAL_ALPACA = SHARED_REALWORLD / "data" / "tatsu-lab__alpaca.torchtune_alpaca_tiny.jsonl"
 PROMPT_NO_INPUT = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
     "### Instruction:\n{instruction}\n\n### Response:\n"

@@ -16,14 +16,6 @@ from accelerate.utils import broadcast_object_list
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def _original_class(model: torch.nn.Module) -> type:
-    """FSDP2 swaps the class to `FSDP<Name>`; the checkpoint must name the transformers class."""
-    for cls in type(model).__mro__:
-        if cls.__module__.startswith("transformers.") and issubclass(cls, transformers.PreTrainedModel):
-            return cls
-    raise AssertionError(f"{type(model).__name__} is not a transformers model")
-
-
 def export_consolidated(trainer, output_dir: str | Path, export_dtype: str = "auto") -> Path:
     """Write model.safetensors shards + config + generation config + tokenizer to `output_dir`.
 
@@ -38,12 +30,7 @@ def export_consolidated(trainer, output_dir: str | Path, export_dtype: str = "au
             dtype = DTYPES[export_dtype]
             state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
             model.config.dtype = dtype
-        model_class = _original_class(model)
         model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
-        # save_pretrained records type(model).__name__, which FSDP2 changed to FSDP<Name>.
-        config = transformers.AutoConfig.from_pretrained(output_dir)
-        config.architectures = [model_class.__name__]
-        config.save_pretrained(output_dir)
         trainer.processing_class.save_pretrained(output_dir)
     accelerator.wait_for_everyone()
     return output_dir

@@ -1,0 +1,54 @@
+"""Shared test fixtures: paths, and a runner for real `accelerate launch` jobs on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Real chat templates, configs and data rows with their sources; laid beside every checkout and CI clone.
+SHARED_REALWORLD = REPO_ROOT.parent / "shared" / "realworld"
+CPU_CONFIG = REPO_ROOT / "accelerate_configs" / "fsdp2_cpu.yaml"
+TINY_LLAMA_RECIPE = REPO_ROOT / "recipes" / "tiny" / "llama8b.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def bin_path(name: str) -> str:
+    return str(Path(sys.executable).parent / name)
+
+
+def run_command(cmd: list[str], env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def launch_sft(recipe: Path, *overrides: str, nproc: int = 2, env: dict[str, str] | None = None,
+               check: bool = True) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file fsdp2_cpu.yaml scripts/sft.py RECIPE ...` on its own port."""
+    cmd = [bin_path("accelerate"), "launch", "--config_file", str(CPU_CONFIG), "--num_processes", str(nproc),
+           "--main_process_port", str(free_port()), "scripts/sft.py", str(recipe), *overrides]
+    result = run_command(cmd, env)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+    return result
+
+
+def read_summary(output_dir: Path) -> dict:
+    return json.loads((Path(output_dir) / "run_summary.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def realworld() -> Path:
+    assert SHARED_REALWORLD.is_dir(), f"{SHARED_REALWORLD} is missing: the tests need the team's shared/ beside the repo"
+    return SHARED_REALWORLD

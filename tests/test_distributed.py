@@ -1,0 +1,49 @@
+"""The start-up guard refuses runs that are not what the launcher asked for (accelerate's silent fallbacks)."""
+
+from __future__ import annotations
+
+import pytest
+from accelerate.state import AcceleratorState
+
+from sft_recipes.distributed import verify_distributed
+from sft_recipes.config import ModelArguments
+from sft_recipes.modeling import load_model
+from sft_recipes.tiny import ensure_tiny
+
+
+@pytest.fixture
+def make_trainer(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model = load_model(ModelArguments(model_name_or_path=ensure_tiny("llama"), dtype="float32"))
+
+    def make(use_cpu: bool = True):
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=use_cpu, report_to=[])
+        return Trainer(model=model, args=args)
+
+    yield make
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_single_process_without_fsdp_passes(make_trainer, monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert verify_distributed(make_trainer()) == "NO over 1 process(es) on cpu"
+
+
+def test_fsdp_requested_but_not_active_is_refused(make_trainer, monkeypatch):
+    # What `accelerate launch` with an FSDP config exports; on CPU accelerate ignores it silently.
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(RuntimeError, match="the accelerate config asks for FSDP but the trainer runs NO"):
+        verify_distributed(make_trainer())
+
+
+def test_process_training_alone_is_refused(make_trainer, monkeypatch):
+    # Without `use_cpu`, accelerate on a GPU-less machine ignores the launcher: every process of an
+    # N-process launch trains alone on the full data, and exits 0.
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 processes but the trainer sees num_processes=1"):
+        verify_distributed(make_trainer(use_cpu=False))
