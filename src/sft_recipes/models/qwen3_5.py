@@ -1,0 +1,159 @@
+"""qwen3_5 (gated-delta hybrid): keep packed examples apart in the linear-attention layers.
+
+How transformers 5.23 dispatches (``models/qwen3_5/modeling_qwen3_5.py``): ``Qwen3_5GatedDeltaNet``
+calls the module-level names ``causal_conv1d_fn`` and ``torch_chunk_gated_delta_rule``. Each is a
+wrapper that, at import time, bound the ``causal_conv1d`` / ``fla`` kernel when that package
+imports, and otherwise the pure-torch reference. The layer receives no ``position_ids``, only the
+forward kwargs: ``seq_idx`` and ``cu_seq_lens_q`` reach the convolution, and ``cu_seq_lens_q``
+reaches the recurrence as ``cu_seqlens`` (with ``seq_idx`` still beside it). With a kernel these
+keep examples apart. The torch reference ignores them -- the convolution bleeds
+``kernel_size - 1`` tokens into the next example and the recurrent state carries over -- so the
+wrapper refuses them with a ValueError instead.
+
+The fix replaces those two module-level names, and only where no kernel was bound, with
+dispatchers that run transformers' own torch reference once per example. This has to be module-wide
+because the layer looks the functions up by name; it changes nothing but the calls that would
+otherwise raise: without boundary kwargs, or with a kernel, the original function runs untouched
+with the same kwargs. The cached single-token decode path (``torch_recurrent_gated_delta_rule``)
+never sees packed rows and is left alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+# Set on our dispatchers so installing twice does not wrap a wrapper.
+_SEGMENT_AWARE = "_sft_recipes_segment_aware"
+
+
+def install_segment_aware_fallbacks(modeling_module: ModuleType) -> None:
+    """Make ``modeling_module``'s torch conv and gated-delta paths honour ``seq_idx``/``cu_seqlens``.
+
+    ``modeling_module`` is a transformers modeling module with the qwen3_5 gated-delta layout
+    (``causal_conv1d_fn`` and ``torch_chunk_gated_delta_rule`` at module level). Idempotent.
+    """
+    conv = modeling_module.causal_conv1d_fn
+    if not _is_installed(conv) and not _kernel_bound(conv):
+        modeling_module.causal_conv1d_fn = _segment_aware_conv(conv)
+    chunk = modeling_module.torch_chunk_gated_delta_rule
+    if not _is_installed(chunk) and not _kernel_bound(chunk):
+        modeling_module.torch_chunk_gated_delta_rule = _segment_aware_chunk_rule(chunk)
+
+
+def segment_bounds(
+    batch_size: int,
+    seq_len: int,
+    seq_idx: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> list[tuple[int, int, int]]:
+    """``(row, start, end)`` of every example in a ``[batch_size, seq_len]`` packed batch.
+
+    Boundaries come from ``seq_idx`` ([B, T], a new example wherever the id changes) or else from
+    ``cu_seqlens`` (offsets into the flattened B*T tokens, flash-attention style). Rows always
+    separate examples.
+    """
+    total = batch_size * seq_len
+    if seq_idx is not None:
+        seq_idx = seq_idx.expand(batch_size, seq_len)
+        starts = torch.ones(batch_size, seq_len, dtype=torch.bool, device=seq_idx.device)
+        starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+        flat_starts = starts.reshape(-1).nonzero().flatten().tolist()
+    else:
+        assert cu_seqlens is not None, "segment_bounds needs seq_idx or cu_seqlens"
+        offsets = cu_seqlens.tolist()
+        if offsets[-1] != total:
+            raise ValueError(
+                f"cu_seq_lens end at {offsets[-1]} but the batch holds {total} tokens; build them from the "
+                "same packed rows (sft_recipes.data.packing.pack_kwargs)."
+            )
+        flat_starts = sorted(set(offsets[:-1]) | set(range(0, total, seq_len)))
+    flat_ends = [*flat_starts[1:], total]
+    return [
+        (start // seq_len, start % seq_len, start % seq_len + end - start)
+        for start, end in zip(flat_starts, flat_ends)
+    ]
+
+
+def _is_installed(function: Callable) -> bool:
+    return getattr(function, _SEGMENT_AWARE, False)
+
+
+def _kernel_bound(transformers_function: Callable) -> bool:
+    """Whether transformers bound a package kernel behind this function (it decides once, at import)."""
+    decision = inspect.getclosurevars(transformers_function).nonlocals.get("is_new_implementation")
+    assert decision is not None, "transformers changed how it binds kernels; revisit sft_recipes.models.qwen3_5"
+    return decision
+
+
+def _mark(dispatcher: Callable, original: Callable) -> Callable:
+    # __wrapped__ keeps transformers' own function reachable (inspect.unwrap, tests).
+    functools.update_wrapper(dispatcher, original)
+    setattr(dispatcher, _SEGMENT_AWARE, True)
+    return dispatcher
+
+
+def _segment_aware_conv(original: Callable) -> Callable:
+    def causal_conv1d_fn(
+        hidden_states: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        activation: str | None = None,
+        seq_idx: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        cu_seqlens = kwargs.pop("cu_seq_lens_q", None)
+        if seq_idx is None and cu_seqlens is None:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        batch_size, channels, seq_len = hidden_states.shape
+        pieces = [
+            original(hidden_states[row : row + 1, :, start:end], weight, bias, activation=activation, **kwargs)
+            for row, start, end in segment_bounds(batch_size, seq_len, seq_idx, cu_seqlens)
+        ]
+        # Pieces run row after row, so joining them on the time axis gives the rows back to back.
+        return torch.cat(pieces, dim=2).reshape(channels, batch_size, seq_len).transpose(0, 1)
+
+    return _mark(causal_conv1d_fn, original)
+
+
+def _segment_aware_chunk_rule(original: Callable) -> Callable:
+    def torch_chunk_gated_delta_rule(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        initial_state: torch.Tensor | None = None,
+        output_final_state: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        state_kwargs = dict(initial_state=initial_state, output_final_state=output_final_state, **kwargs)
+        if seq_idx is None and cu_seqlens is None:
+            return original(query, key, value, g=g, beta=beta, **state_kwargs)
+        batch_size, seq_len = query.shape[:2]
+        bounds = segment_bounds(batch_size, seq_len, seq_idx, cu_seqlens)
+        if initial_state is not None and len(bounds) > 1:
+            raise ValueError(
+                "A recurrent state cannot continue into several packed examples at once; run packed rows "
+                "without a cache (use_cache=False)."
+            )
+        outputs, final_states = [], []
+        for row, start, end in bounds:
+            piece = slice(row, row + 1), slice(start, end)
+            output, final_state = original(
+                query[piece], key[piece], value[piece], g=g[piece], beta=beta[piece], **state_kwargs
+            )
+            outputs.append(output)
+            final_states.append(final_state)
+        output = torch.cat(outputs, dim=1).reshape(batch_size, seq_len, *outputs[0].shape[2:])
+        # One final state per example, as fla returns them for cu_seqlens.
+        return output, torch.cat(final_states) if output_final_state else None
+
+    return _mark(torch_chunk_gated_delta_rule, original)
