@@ -18,20 +18,24 @@ import sys
 import time
 from pathlib import Path
 
-from sft_recipes.hub import enable_fast_downloads
+from sft_recipes.environment import set_runtime_defaults
 
-enable_fast_downloads()  # before anything imports huggingface_hub
+set_runtime_defaults()  # before anything imports huggingface_hub or touches CUDA
+
+from transformers import AutoConfig
 
 from sft_recipes.config import RecipeError, load_recipe
 from sft_recipes.data.formats import check_columns
 from sft_recipes.data.sources import load_raw_dataset
 from sft_recipes.data.prepare import prepare_train_dataset
 from sft_recipes.distributed import enable_cpu_fsdp, set_fsdp_reduce_dtype, verify_distributed
-from sft_recipes.export import export_consolidated, verify_export
+from sft_recipes.export import export_consolidated, first_input_ids, verify_export
 from sft_recipes.lint import lint_recipe
 from sft_recipes.modeling import load_model, load_tokenizer, resolve_model_path
+from sft_recipes.models import check_packing_leak, prepare_for_packing
 from sft_recipes.runs import RunSummaryCallback, resolve_resume_checkpoint
 from sft_recipes.tracking import RecipeParamsCallback, configure_mlflow
+from sft_recipes.trainer import RecipeSFTTrainer
 
 logger = logging.getLogger("sft")
 
@@ -72,20 +76,23 @@ def main(argv: list[str] | None = None) -> int:
         model_path = resolve_model_path(model_args.model_name_or_path)
     tokenizer = load_tokenizer(model_args, model_path)
     with training_args.main_process_first(desc="dataset preparation"):
-        train_dataset = prepare_train_dataset(raw_dataset, data_args, tokenizer)
+        train_dataset, data_collator = prepare_train_dataset(raw_dataset, data_args, tokenizer, training_args)
 
     # ── Model ─────────────────────────────────────────────────────────────────────────────────
+    if data_args.pack_blocks:  # seconds on a tiny copy: refuse an architecture that would leak
+        check_packing_leak(AutoConfig.from_pretrained(model_path), model_args.attn_implementation)
     model = load_model(model_args, model_path)
+    if data_args.pack_blocks:
+        prepare_for_packing(model)
 
     # ── Trainer ───────────────────────────────────────────────────────────────────────────────
-    from trl import SFTTrainer  # imported late: `--help` and recipe errors stay instant
-
     tracking_uri = configure_mlflow(training_args, model_args.mlflow_experiment_name)
     summary = RunSummaryCallback()
-    trainer = SFTTrainer(
+    trainer = RecipeSFTTrainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,
+        data_collator=data_collator,
         processing_class=tokenizer,
         callbacks=[RecipeParamsCallback(recipe.values), summary],
     )
@@ -104,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = export_consolidated(trainer, training_args.output_dir, model_args.export_dtype)
     logit_diff = None
     if model_args.verify_export:
-        probe_ids = trainer.train_dataset[0]["input_ids"][:64]
+        probe_ids = first_input_ids(trainer.training_data)[:64]
         logit_diff = verify_export(trainer, output_dir, probe_ids)
     if is_main:
         report = summary.finish(train_seconds, output_dir, tracking_uri, logit_diff, resume_from, layout)

@@ -36,6 +36,19 @@ class DataArguments(ScriptArguments):
     )
     dataset_revision: str | None = field(default=None, metadata={"help": "Dataset commit/tag to pin."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N rows."})
+    pack_blocks: bool = field(
+        default=False,
+        metadata={"help": "Pack conversations end to end into block-diagonal blocks of max_length tokens, "
+                  "streamed and tokenized per rank (dataset_format: messages)."},
+    )
+    split_examples: bool = field(
+        default=True,
+        metadata={"help": "With pack_blocks: let a conversation run on into the next block (every block full), "
+                  "or start a new block when it does not fit."},
+    )
+    chat_template_kwargs: dict | None = field(
+        default=None, metadata={"help": "Extra chat-template variables, e.g. {enable_thinking: false}."}
+    )
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import datasets
 import torch
 import transformers
 from accelerate.utils import broadcast_object_list
@@ -34,6 +35,13 @@ def export_consolidated(trainer, output_dir: str | Path, export_dtype: str = "au
         trainer.processing_class.save_pretrained(output_dir)
     accelerator.wait_for_everyone()
     return output_dir
+
+
+def first_input_ids(dataset) -> list[int]:
+    """A real training input to probe the export with (map-style or streamed dataset)."""
+    streamed = isinstance(dataset, (torch.utils.data.IterableDataset, datasets.IterableDataset))
+    row = next(iter(dataset)) if streamed else dataset[0]
+    return list(row["input_ids"])
 
 
 @torch.no_grad()

@@ -1,15 +1,33 @@
-"""Raw rows -> the dataset handed to SFTTrainer, per `dataset_format`."""
+"""Raw rows -> the dataset (and collator) handed to SFTTrainer, per `dataset_format`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from datasets import Dataset, IterableDataset
 
+from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
 from sft_recipes.data.formats import alpaca_to_prompt_completion
+from sft_recipes.data.masking import tokenize_dataset
+from sft_recipes.data.packing import BlockDiagonalCollator
 
 
-def prepare_train_dataset(raw: Dataset | IterableDataset, data_args, tokenizer) -> Dataset | IterableDataset:
+def prepare_train_dataset(raw: Dataset | IterableDataset, data_args, tokenizer, training_args
+                          ) -> tuple[Dataset | IterableDataset | RankLocalBlockStream, Callable | None]:
+    """The training dataset and, when the recipe packs, the collator that must go with it."""
     if data_args.dataset_format == "alpaca":
-        return raw.map(alpaca_to_prompt_completion, remove_columns=raw.column_names)
+        return raw.map(alpaca_to_prompt_completion, remove_columns=raw.column_names), None
     if data_args.dataset_format == "text":
-        return raw
-    return raw.select_columns(["messages"])
+        return raw, None
+    template_kwargs = data_args.chat_template_kwargs or {}
+    if data_args.pack_blocks:
+        stream = RankLocalBlockStream(
+            raw, tokenizer, training_args.max_length, training_args.process_index, training_args.world_size,
+            split_examples=data_args.split_examples, template_kwargs=template_kwargs,
+        )
+        collator = BlockDiagonalCollator(training_args.max_length, tokenizer.pad_token_id, split_examples=True)
+        return stream, collate_blocks(collator)
+    if isinstance(raw, IterableDataset):
+        raise ValueError("dataset_streaming with dataset_format: messages needs `pack_blocks: true`.")
+    dataset, _dropped = tokenize_dataset(raw, tokenizer, max_length=training_args.max_length, **template_kwargs)
+    return dataset, None

@@ -1,0 +1,58 @@
+"""SFTTrainer plus what it lacks for packed streams: a rank-local dataloader and its stop signal."""
+
+from __future__ import annotations
+
+import datasets
+from torch.utils.data import DataLoader
+from trl import SFTTrainer
+
+from sft_recipes.data.blocks import RankLocalBlockStream, StopWhenAnyRankExhausted
+
+
+class RecipeSFTTrainer(SFTTrainer):
+    """SFTTrainer that can also train on a `RankLocalBlockStream`.
+
+    The stream is already sharded per rank, so accelerate must not shard it again (it would make
+    every rank read, and tokenize, the whole stream): `get_train_dataloader` serves it directly.
+    TRL only accepts `datasets` types, so it is handed a one-block stand-in with dataset
+    preparation skipped (the stream is tokenized and packed already).
+    """
+
+    def __init__(self, *args, train_dataset=None, **kwargs):
+        self.block_stream = train_dataset if isinstance(train_dataset, RankLocalBlockStream) else None
+        self.exhaustion = None
+        if self.block_stream is not None:
+            training_args = kwargs["args"]
+            training_args.dataset_kwargs = {**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True}
+            train_dataset = datasets.Dataset.from_list([self.block_stream.exhausted_block()])
+        super().__init__(*args, train_dataset=train_dataset, **kwargs)
+        if self.block_stream is not None:
+            self.exhaustion = StopWhenAnyRankExhausted()
+            self.add_callback(self.exhaustion)
+
+    @property
+    def training_data(self):
+        """What the model is really trained on: the block stream, or TRL's prepared dataset."""
+        return self.block_stream if self.block_stream is not None else self.train_dataset
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.block_stream is None:
+            return super().get_train_dataloader()
+        return DataLoader(
+            self.block_stream,
+            batch_size=self._train_batch_size,
+            collate_fn=self.data_collator,
+            num_workers=0,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.block_stream is not None:  # this rank's running share of real tokens in its blocks
+            logs["packing_efficiency"] = round(self.block_stream.stats.packing_efficiency, 4)
+        super().log(logs, start_time)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        exhausted = inputs.pop("stream_exhausted", None)
+        if exhausted is not None and bool(exhausted):
+            self.exhaustion.exhausted = True
+        return super().training_step(model, inputs, num_items_in_batch)
