@@ -25,6 +25,7 @@ set_runtime_defaults()  # before anything imports huggingface_hub or touches CUD
 from transformers import AutoConfig
 
 from sft_recipes.config import RecipeError, load_recipe
+from sft_recipes.data.audit import audit_dataset, format_report
 from sft_recipes.data.formats import check_columns
 from sft_recipes.data.sources import load_raw_dataset
 from sft_recipes.data.prepare import prepare_train_dataset
@@ -44,6 +45,8 @@ def parse_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe", help="recipe YAML, e.g. recipes/llama8b.yaml")
     parser.add_argument("--dry-run", action="store_true", help="check the recipe and stop before loading weights")
+    parser.add_argument("--audit-data", type=int, metavar="N", default=0,
+                        help="show N conversations with their supervised spans marked, report mask statistics, stop")
     return parser.parse_known_args(argv)
 
 
@@ -75,6 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     with training_args.main_process_first(local=False, desc="tiny model build"):
         model_path = resolve_model_path(model_args.model_name_or_path)
     tokenizer = load_tokenizer(model_args, model_path)
+    if cli.audit_data:
+        if data_args.dataset_format != "messages":
+            raise ValueError("--audit-data checks chat assistant masks: it needs dataset_format: messages.")
+        max_length = None if data_args.pack_blocks else training_args.max_length  # packing splits, never cuts
+        report = audit_dataset(raw_dataset, tokenizer, cli.audit_data, max_length=max_length,
+                               **(data_args.chat_template_kwargs or {}))
+        print(format_report(report))
+        return 0
     with training_args.main_process_first(desc="dataset preparation"):
         train_dataset, data_collator = prepare_train_dataset(raw_dataset, data_args, tokenizer, training_args)
 

@@ -52,3 +52,13 @@ def read_summary(output_dir: Path) -> dict:
 def realworld() -> Path:
     assert SHARED_REALWORLD.is_dir(), f"{SHARED_REALWORLD} is missing: the tests need the team's shared/ beside the repo"
     return SHARED_REALWORLD
+
+
+def write_uneven_shards(path: Path, rows: int) -> Path:
+    """Conversations whose even rows (rank 0 of 2) are ~40x longer than the odd ones (rank 1)."""
+    with open(path, "w") as f:
+        for i in range(rows):
+            answer = " ".join(["long answer words"] * 40) if i % 2 == 0 else "short"
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    return path

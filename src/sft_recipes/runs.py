@@ -42,6 +42,7 @@ class RunSummaryCallback(TrainerCallback):
         self._step_started = 0.0
         self.step_seconds: list[float] = []
         self.mlflow_run_id: str | None = None
+        self.packing_efficiency: float | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero and "mlflow" in (args.report_to or []):
@@ -62,6 +63,8 @@ class RunSummaryCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses[state.global_step] = float(logs["loss"])
+        if logs and "packing_efficiency" in logs:
+            self.packing_efficiency = float(logs["packing_efficiency"])
 
     def finish(self, train_seconds: float, output_dir: Path, tracking_uri: str | None, logit_diff: float | None,
                resumed_from: str | None, distributed: str) -> dict[str, Any]:
@@ -75,6 +78,7 @@ class RunSummaryCallback(TrainerCallback):
             "seconds_per_step": round(sum(self.step_seconds) / steps_run, 4) if steps_run else None,
             "final_loss": self.losses[max(self.losses)] if self.losses else None,
             "losses": {str(step): loss for step, loss in sorted(self.losses.items())},
+            "packing_efficiency": self.packing_efficiency,
             "checkpoint": str(output_dir),
             "export_max_logit_diff": logit_diff,
             "mlflow_tracking_uri": tracking_uri,

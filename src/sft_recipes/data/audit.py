@@ -6,8 +6,9 @@ with the supervised tokens between ``[[`` and ``]]``, and sums up the masking of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -148,3 +149,11 @@ def _example(tokenizer: PreTrainedTokenizerBase, index: int, row: MaskedConversa
         tokens=len(row.input_ids),
         supervised_tokens=sum(row.assistant_masks),
     )
+
+
+def audit_dataset(dataset: Iterable[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, n: int,
+                  sample: int = 1000, max_length: int | None = None, messages_field: str = "messages",
+                  **template_kwargs: Any) -> AuditReport:
+    """Audit the first `sample` rows of a (map-style or streamed) dataset, showing `n` of them."""
+    conversations = [row[messages_field] for row in islice(dataset, max(n, sample))]
+    return audit_masks(tokenizer, conversations, n=n, max_length=max_length, **template_kwargs)

@@ -1,0 +1,75 @@
+"""The tiny Qwen3.5 twin trains packed under 2-process FSDP2 on CPU; uneven shards stop together."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from datasets import load_dataset
+from safetensors import safe_open
+
+from conftest import REPO_ROOT, launch_sft, read_summary, write_uneven_shards
+from sft_recipes.data.blocks import RankLocalBlockStream
+from sft_recipes.modeling import load_tokenizer
+from sft_recipes.config import ModelArguments
+from sft_recipes.tiny import ensure_tiny
+
+pytestmark = pytest.mark.fsdp
+
+RECIPE = REPO_ROOT / "recipes" / "tiny" / "qwen27b.yaml"
+
+
+@pytest.fixture(scope="module")
+def packed_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen") / "run"
+    result = launch_sft(RECIPE, "--output_dir", str(out), "--report_to", "none")
+    return out, result
+
+
+def test_packed_qwen3_5_trains_with_falling_loss_and_stops_when_data_ends(packed_run):
+    out, result = packed_run
+    summary = read_summary(out)
+    assert summary["distributed"] == "FSDP2 over 2 process(es) on cpu"
+    assert "packing preflight passed for qwen3_5" in result.stderr
+    losses = list(summary["losses"].values())
+    assert losses[-1] < losses[0] - 1.5, losses
+    assert 10 < summary["steps"] < 100000  # one pass over the sample data, not max_steps
+    assert summary["packing_efficiency"] > 0.95  # split_examples: every block but the last is full
+
+
+def test_export_keeps_the_vision_tower_and_the_class(packed_run):
+    out, _ = packed_run
+    source = ensure_tiny("qwen3_5")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    with safe_open(f"{source}/model.safetensors", "pt") as before, safe_open(f"{out}/model.safetensors", "pt") as after:
+        assert set(after.keys()) == set(before.keys())
+        assert any("visual" in key for key in after.keys())
+        vision = next(key for key in after.keys() if "visual" in key and key.endswith("weight"))
+        # Text-only SFT never updates the vision tower, but it must come back unchanged, not dropped.
+        assert torch.equal(after.get_tensor(vision), before.get_tensor(vision))
+    assert read_summary(out)["export_max_logit_diff"] <= 1e-4
+
+
+def test_uneven_shards_stop_on_the_same_step(tmp_path):
+    data = write_uneven_shards(tmp_path / "uneven.jsonl", rows=24)
+    tokenizer = load_tokenizer(ModelArguments(model_name_or_path=ensure_tiny("qwen3_5")))
+    raw = load_dataset("json", data_files=str(data), split="train", streaming=True)
+    blocks_per_rank = []
+    for rank in (0, 1):
+        stream = RankLocalBlockStream(raw, tokenizer, max_length=256, rank=rank, world_size=2)
+        blocks_per_rank.append(_count_real_blocks(stream))
+    assert blocks_per_rank[0] > blocks_per_rank[1] + 2, blocks_per_rank  # deliberately uneven
+    out = tmp_path / "run"
+    launch_sft(RECIPE, "--dataset_name", str(data), "--output_dir", str(out), "--report_to", "none")
+    # Rank 1 runs out first: every rank stops right after the step in which it noticed, no hang.
+    assert read_summary(out)["steps"] == blocks_per_rank[1] + 1
+
+
+def _count_real_blocks(stream) -> int:
+    count = 0
+    for block in stream:
+        if block["stream_exhausted"]:
+            return count
+        count += 1
+    raise AssertionError("a block stream never ends on its own")
