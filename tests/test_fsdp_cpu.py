@@ -37,21 +37,23 @@ def runs(tmp_path_factory):
     one = run_command(single_cmd)
     assert one.returncode == 0, one.stderr[-4000:]
 
-    resumed_dir = root / "resumed"
-    resumed_dir.mkdir()
-    shutil.copytree(root / "two" / f"checkpoint-{SAVE_EVERY}", resumed_dir / f"checkpoint-{SAVE_EVERY}")
-    resumed = launch_sft(TINY_LLAMA_RECIPE, *COMMON, "--output_dir", str(resumed_dir), "--report_to", "none")
+    # Preempted after checkpoint-4: resume in place (resume_from_checkpoint: auto), logging into the
+    # same MLflow run as a managed platform does on retry (MLFLOW_RUN_ID).
+    shutil.copytree(root / "two", root / "full")
+    shutil.rmtree(root / "two" / f"checkpoint-{STEPS}")
+    run_id = read_summary(root / "full")["mlflow_run_id"]
+    resumed = launch_sft(TINY_LLAMA_RECIPE, *COMMON, "--output_dir", str(root / "two"), env={**env, "MLFLOW_RUN_ID": run_id})
 
-    return {"root": root, "store": store, "two": two, "one": one, "resumed": resumed}
+    return {"root": root, "store": store, "full": two, "one": one, "resumed": resumed}
 
 
 def test_two_process_run_is_fsdp2(runs):
-    assert read_summary(runs["root"] / "two")["distributed"] == "FSDP2 over 2 process(es) on cpu"
+    assert read_summary(runs["root"] / "full")["distributed"] == "FSDP2 over 2 process(es) on cpu"
     assert read_summary(runs["root"] / "one")["distributed"] == "NO over 1 process(es) on cpu"
 
 
 def test_fsdp2_losses_equal_single_process_with_same_global_batch(runs):
-    two = read_summary(runs["root"] / "two")["losses"]
+    two = read_summary(runs["root"] / "full")["losses"]
     one = read_summary(runs["root"] / "one")["losses"]
     assert list(two) == [str(s) for s in range(1, STEPS + 1)]
     for step in two:
@@ -66,7 +68,7 @@ def probe_logits(path, input_ids):
 
 
 def test_export_is_a_plain_checkpoint_with_the_trained_logits(runs):
-    two, one = runs["root"] / "two", runs["root"] / "one"
+    two, one = runs["root"] / "full", runs["root"] / "one"
     for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (two / name).is_file(), name
     assert read_summary(two)["export_max_logit_diff"] <= 1e-4  # in-run check against the sharded model
@@ -77,8 +79,8 @@ def test_export_is_a_plain_checkpoint_with_the_trained_logits(runs):
 
 
 def test_resume_from_mid_run_checkpoint_reproduces_later_losses(runs):
-    full = read_summary(runs["root"] / "two")
-    resumed = read_summary(runs["root"] / "resumed")
+    full = read_summary(runs["root"] / "full")
+    resumed = read_summary(runs["root"] / "two")
     assert resumed["resumed_from"].endswith(f"checkpoint-{SAVE_EVERY}")
     assert list(resumed["losses"]) == [str(s) for s in range(SAVE_EVERY + 1, STEPS + 1)]
     for step, loss in resumed["losses"].items():
@@ -101,7 +103,7 @@ def test_simulated_two_node_launch(runs, tmp_path):
     assert "[launch] node 1/2: 1 processes here, world size 2, rendezvous 127.0.0.1" in outputs[1]
     summary = read_summary(tmp_path / "multinode")
     assert summary["distributed"] == "FSDP2 over 2 process(es) on cpu"
-    single_node = read_summary(runs["root"] / "two")["losses"]
+    single_node = read_summary(runs["root"] / "full")["losses"]
     for step, loss in summary["losses"].items():
         assert loss == pytest.approx(single_node[step], abs=1e-4)
 
@@ -111,18 +113,21 @@ def test_mlflow_has_one_run_with_params_and_a_loss_per_step(runs):
     experiments = db.execute("select experiment_id from experiments where name = 'air-multinode-llama-sft'").fetchall()
     assert len(experiments) == 1
     run_ids = [r[0] for r in db.execute("select run_uuid from runs where experiment_id = ?", experiments[0])]
-    assert run_ids == [read_summary(runs["root"] / "two")["mlflow_run_id"]]
+    assert run_ids == [read_summary(runs["root"] / "full")["mlflow_run_id"]]
+    assert read_summary(runs["root"] / "two")["mlflow_run_id"] == run_ids[0]  # MLFLOW_RUN_ID honoured on resume
     params = dict(db.execute("select key, value from params where run_uuid = ?", run_ids))
     assert float(params["learning_rate"]) == 3e-3 and params["recipe.model_name_or_path"] == "tiny:llama"
     loss_steps = [r[0] for r in db.execute("select step from metrics where run_uuid = ? and key = 'loss' order by step", run_ids)]
-    assert loss_steps == list(range(1, STEPS + 1))
+    resumed_steps = list(range(SAVE_EVERY + 1, STEPS + 1))
+    assert loss_steps == sorted(list(range(1, STEPS + 1)) + resumed_steps)
 
 
 def test_hf_token_never_leaks(runs):
-    leaks = [name for name in ("stdout", "stderr") if FAKE_TOKEN in getattr(runs["two"], name)]
+    leaks = [f"{run} {name}" for run in ("full", "resumed") for name in ("stdout", "stderr")
+             if FAKE_TOKEN in getattr(runs[run], name)]
     if FAKE_TOKEN.encode() in runs["store"].read_bytes():
         leaks.append(str(runs["store"]))
-    for path in (runs["root"] / "two").rglob("*"):
+    for path in runs["root"].rglob("*"):
         if path.is_file() and FAKE_TOKEN.encode() in path.read_bytes():
             leaks.append(str(path))
     assert leaks == []
