@@ -28,7 +28,7 @@ def rel(path):
 @pytest.mark.parametrize("path", RECIPES, ids=rel)
 def test_recipe_parses(path):
     # GPU recipes ask for bf16, which TrainingArguments refuses on a machine without a GPU.
-    recipe = load_recipe(path, {"use_cpu": True})
+    recipe = load_recipe(path, planning=True)
     assert recipe.model.model_name_or_path
     assert recipe.data.dataset_name
     assert recipe.training.output_dir
@@ -77,7 +77,7 @@ def test_multinode_config_is_two_nodes_of_eight():
 
 
 def test_llama_recipe_is_the_seed():
-    recipe = load_recipe(REPO_ROOT / "recipes" / "llama8b.yaml", {"use_cpu": True})
+    recipe = load_recipe(REPO_ROOT / "recipes" / "llama8b.yaml", planning=True)
     m, d, t = recipe.model, recipe.data, recipe.training
     assert (m.model_name_or_path, d.dataset_name, d.dataset_format) == ("meta-llama/Llama-3.1-8B", "tatsu-lab/alpaca", "alpaca")
     assert (t.max_length, t.per_device_train_batch_size, t.gradient_accumulation_steps) == (1024, 4, 2)

@@ -23,19 +23,28 @@ from typing import Any, Literal
 import yaml
 from trl import ModelConfig, ScriptArguments, SFTConfig
 
-DATASET_FORMATS = ("alpaca", "messages", "text")
+DATASET_FORMATS = ("alpaca", "messages", "reasoning", "text")
 
 
 @dataclass
 class DataArguments(ScriptArguments):
     """TRL's dataset arguments plus how rows become training text."""
 
-    dataset_format: Literal["alpaca", "messages", "text"] = field(
+    dataset_format: Literal["alpaca", "messages", "reasoning", "text"] = field(
         default="messages",
-        metadata={"help": "Row schema: 'alpaca' (instruction/input/output), 'messages' (chat), 'text'."},
+        metadata={"help": "Row schema: 'alpaca' (instruction/input/output), 'messages' (chat), "
+                  "'reasoning' (chat whose assistant turns carry `thinking`, checked to be trained), 'text'."},
     )
     dataset_revision: str | None = field(default=None, metadata={"help": "Dataset commit/tag to pin."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N rows."})
+    max_dropped_share: float = field(
+        default=0.05,
+        metadata={"help": "Refuse to train when more than this share of rows is dropped as bad (see the data report)."},
+    )
+    overlong_policy: Literal["truncate", "drop"] = field(
+        default="truncate",
+        metadata={"help": "Rows longer than max_length: 'truncate' (keep the first max_length tokens) or 'drop'."},
+    )
     pack_blocks: bool = field(
         default=False,
         metadata={"help": "Pack conversations end to end into block-diagonal blocks of max_length tokens, "
@@ -66,15 +75,57 @@ class ModelArguments(ModelConfig):
     mlflow_experiment_name: str | None = field(
         default=None, metadata={"help": "Default MLflow experiment; MLFLOW_EXPERIMENT_NAME wins when set."}
     )
+    lora_rank_pattern: dict[str, int] | None = field(
+        default=None,
+        metadata={"help": "LoRA rank per target, by the end of its name (PEFT rank_pattern), e.g. "
+                  "{mlp.experts.down_proj: 8}; targets not named get lora_r."},
+    )
+    lora_alpha_pattern: dict[str, int] | None = field(
+        default=None,
+        metadata={"help": "LoRA alpha per target, by the end of its name (PEFT alpha_pattern); others get lora_alpha."},
+    )
+    dequantize_mxfp4: bool = field(
+        default=False,
+        metadata={"help": "Load an MXFP4 checkpoint (gpt-oss) dequantized to `dtype` (Mxfp4Config(dequantize=True)), "
+                  "the only trainable form; a checkpoint that is not MXFP4 loads as it is."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        from sft_recipes.lora import check_lora_arguments
+
+        check_lora_arguments(self)
 
 
 @dataclass
 class TrainingArguments(SFTConfig):
     """TRL's SFTConfig plus the FSDP2 settings an accelerate config file cannot express."""
 
+    global_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Sequences per optimizer step; gradient_accumulation_steps is derived from the world size."},
+    )
+    global_batch_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Tokens per optimizer step (a multiple of max_length); derives gradient accumulation."},
+    )
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = field(
         default="float32",
         metadata={"help": "Gradient reduce-scatter dtype under FSDP2 mixed precision (fp32 keeps small updates)."},
+    )
+    max_nonfinite_steps_in_a_row: int = field(
+        default=3,
+        metadata={"help": "Steps with a non-finite gradient norm are skipped; after this many in a row, checkpoint and stop."},
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Start over in an output_dir that holds checkpoints (of this or another recipe); they are "
+                          "moved to output_dir/set-aside-<time>/, never deleted."},
+    )
+    fsdp_wrap_classes: list[str] | None = field(
+        default=None,
+        metadata={"help": "Module classes FSDP2 shards as one unit each. Default: the accelerate config's "
+                  "fsdp_transformer_layer_cls_to_wrap when set, else the model's _no_split_modules (GptOssDecoderLayer)."},
     )
 
 
@@ -232,8 +283,14 @@ def read_recipe_file(path: str | os.PathLike) -> dict[str, Any]:
     return values
 
 
-def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] | None = None) -> Recipe:
-    """Parse, interpolate, validate and build the dataclasses of one recipe. Raises RecipeError."""
+def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] | None = None,
+                planning: bool = False) -> Recipe:
+    """Parse, interpolate, validate and build the dataclasses of one recipe. Raises RecipeError.
+
+    `planning`: validate a GPU recipe on a machine without a GPU (dry runs, tests) -- the
+    TrainingArguments are built with `use_cpu`, which TrainingArguments demands there for bf16;
+    `values` still holds what the recipe says.
+    """
     values = read_recipe_file(path)
     cli = parse_cli_overrides(overrides) if isinstance(overrides, list) else dict(overrides or {})
     values.update(cli)
@@ -266,6 +323,8 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
     if problems:
         raise RecipeError(f"{path}: " + "; ".join(problems) + ".")
 
+    if planning and "use_cpu" not in values:
+        kwargs[TrainingArguments]["use_cpu"] = True
     built = []
     for cls in RECIPE_DATACLASSES:
         try:

@@ -2,17 +2,20 @@
 
 `Trainer.save_model` under FSDP2 with SHARDED_STATE_DICT writes only DCP shards (and, for PEFT,
 no adapter at all) yet exits 0; we gather a full state dict explicitly and save a plain Hugging
-Face checkpoint, then prove it by reloading it and comparing logits with the trained model.
+Face checkpoint (for LoRA runs: a PEFT adapter, gathering only the adapter), then prove it by
+reloading it and comparing logits with the trained model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
 import torch
 import transformers
 from accelerate.utils import broadcast_object_list
+from safetensors import safe_open
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -51,6 +54,67 @@ def verify_export(trainer, output_dir: str | Path, probe_ids: list[int], atol: f
     Collective. Returns the max abs logit difference on every rank; raises on every rank (so no
     rank is left waiting in a collective) when it exceeds `atol`.
     """
+
+    def reload() -> torch.nn.Module:
+        reloaded_class = getattr(transformers, transformers.AutoConfig.from_pretrained(output_dir).architectures[0])
+        return reloaded_class.from_pretrained(output_dir)
+
+    return _compare_with_reloaded(trainer, output_dir, probe_ids, reload, atol)
+
+
+def export_adapter(trainer, output_dir: str | Path) -> Path:
+    """Write the trained LoRA adapter in PEFT format (adapter_model.safetensors + adapter_config.json) + tokenizer.
+
+    Collective. Only the trainable (adapter) parameters are all-gathered, onto rank 0's CPU: a
+    120B base is never gathered. Loadable with `PeftModel.from_pretrained(base, output_dir)`.
+    """
+    output_dir = Path(output_dir)
+    accelerator = trainer.accelerator
+    model = trainer.model
+    if torch.distributed.is_initialized():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        state_dict = get_model_state_dict(model, options=options)
+    else:
+        state_dict = {name: param.detach().cpu() for name, param in model.named_parameters() if param.requires_grad}
+    problem: list = [None]
+    if accelerator.is_main_process:
+        peft_model = accelerator.unwrap_model(model)
+        peft_model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+        trainer.processing_class.save_pretrained(output_dir)
+        with safe_open(output_dir / "adapter_model.safetensors", framework="pt") as saved:
+            saved_count = len(list(saved.keys()))
+        if saved_count != len(state_dict):
+            # peft selects what to save by module names; a wrapper it does not know makes it save nothing.
+            problem = [
+                f"The adapter written to {output_dir} holds {saved_count} tensors but the model trains "
+                f"{len(state_dict)}: peft did not recognise the trained weights. Do not use it (nor, likely, the "
+                "checkpoints of this run)."
+            ]
+    broadcast_object_list(problem, from_process=0)  # every rank raises, none is left waiting
+    if problem[0]:
+        raise RuntimeError(problem[0])
+    return output_dir
+
+
+@torch.no_grad()
+def verify_adapter_export(
+    trainer, adapter_dir: str | Path, load_base: Callable[[], torch.nn.Module], probe_ids: list[int],
+    atol: float | None = None,
+) -> float:
+    """Load a fresh base (`load_base()`) plus the saved adapter on rank 0, compare logits with the trained model's.
+
+    Collective, like `verify_export`. Equal logits also prove that no frozen weight moved in training.
+    """
+    from sft_recipes.lora import load_adapter
+
+    return _compare_with_reloaded(trainer, adapter_dir, probe_ids, lambda: load_adapter(load_base(), adapter_dir), atol)
+
+
+def _compare_with_reloaded(
+    trainer, output_dir: str | Path, probe_ids: list[int], reload: Callable[[], torch.nn.Module], atol: float | None
+) -> float:
     accelerator = trainer.accelerator
     model = trainer.model
     was_training = model.training
@@ -61,8 +125,7 @@ def verify_export(trainer, output_dir: str | Path, probe_ids: list[int], atol: f
 
     outcome: list = [None]
     if accelerator.is_main_process:
-        reloaded_class = getattr(transformers, transformers.AutoConfig.from_pretrained(output_dir).architectures[0])
-        reloaded = reloaded_class.from_pretrained(output_dir).eval()
+        reloaded = reload().eval()
         reloaded_dtype = next(reloaded.parameters()).dtype
         tolerance = atol if atol is not None else (1e-4 if reloaded_dtype == torch.float32 else 5e-2)
         logits = reloaded(input_ids=input_ids.cpu()).logits.float()

@@ -1,30 +1,143 @@
-"""Cross-file checks run before anything loads: each rule names its fix; all problems at once."""
+"""Cross-file checks run before anything heavy loads: each rule names its fix; all problems at once.
+
+A rule reads the recipe, the launcher's settings (world size, the accelerate config as exported
+to the environment) and, when it needs one, the model's config.json; it returns a message or None.
+`scripts/sft.py` runs every rule at start and in `--dry-run`. Checks of one dataclass alone (e.g.
+lora_dropout with target_parameters) live in that dataclass's __post_init__ and surface the same way.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
 
+import torch
+
+from sft_recipes.batching import derive_gradient_accumulation
 from sft_recipes.config import Recipe, RecipeError
+from sft_recipes.data.formats import CHAT_FORMATS
 
 
-def _fsdp_activation_checkpointing() -> bool:
-    return os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true"
+@dataclass
+class LintContext:
+    world_size: int
+    has_accelerator: bool
+    model_config_loader: Callable[[], object] | None = None  # config.json of the recipe's model
 
+    @cached_property
+    def model_config(self):
+        return self.model_config_loader() if self.model_config_loader else None
 
-def activation_checkpointing_twice(recipe: Recipe) -> str | None:
-    if recipe.training.activation_checkpointing and _fsdp_activation_checkpointing():
-        return (
-            "activation checkpointing is on twice: in the accelerate config (fsdp_activation_checkpointing) and in "
-            "the recipe (activation_checkpointing/gradient_checkpointing, which TRL turns on by default); set "
-            "`activation_checkpointing: false` in the recipe and keep FSDP's"
+    @staticmethod
+    def from_environment(model_config_loader=None, world_size: int | None = None) -> LintContext:
+        return LintContext(
+            world_size=world_size or int(os.environ.get("WORLD_SIZE", "1")),
+            has_accelerator=torch.cuda.is_available(),
+            model_config_loader=model_config_loader,
         )
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() == "true"
+
+
+def activation_checkpointing_twice(recipe: Recipe, ctx: LintContext) -> str | None:
+    if recipe.training.activation_checkpointing and _env_flag("FSDP_ACTIVATION_CHECKPOINTING"):
+        return ("activation checkpointing is on twice: in the accelerate config (fsdp_activation_checkpointing) and in "
+                "the recipe (activation_checkpointing/gradient_checkpointing, which TRL turns on by default); set "
+                "`activation_checkpointing: false` in the recipe and keep FSDP's")
     return None
 
 
-RULES = (activation_checkpointing_twice,)
+def trl_packing_with_block_packing(recipe: Recipe, ctx: LintContext) -> str | None:
+    t = recipe.training
+    if recipe.data.pack_blocks and (t.packing or t.padding_free):
+        return ("pack_blocks packs with the project's block-diagonal collator; TRL's own `packing`/`padding_free` must "
+                "then be false (TRL refuses a custom collator with padding-free)")
+    return None
 
 
-def lint_recipe(recipe: Recipe) -> None:
-    problems = [message for rule in RULES if (message := rule(recipe))]
+def block_packing_needs_chat_data(recipe: Recipe, ctx: LintContext) -> str | None:
+    if recipe.data.pack_blocks and recipe.data.dataset_format not in CHAT_FORMATS:
+        return f"pack_blocks needs a chat dataset_format, one of {CHAT_FORMATS} (got {recipe.data.dataset_format!r})"
+    if recipe.data.pack_blocks and recipe.training.dataloader_num_workers:
+        return "pack_blocks streams in the main process: set dataloader_num_workers: 0"
+    return None
+
+
+def _packs(recipe: Recipe) -> bool:
+    t = recipe.training
+    return bool(recipe.data.pack_blocks or t.packing or t.padding_free)
+
+
+def packing_architecture_needs_our_fixes(recipe: Recipe, ctx: LintContext) -> str | None:
+    from sft_recipes.models import PACKING_QUIRKS
+
+    t = recipe.training
+    config = ctx.model_config if (t.packing or t.padding_free) else None
+    if config is not None and config.model_type in PACKING_QUIRKS:
+        return (f"TRL's packing/padding_free lets packed examples leak into each other on {config.model_type} "
+                f"(attention {recipe.model.attn_implementation!r}); use `pack_blocks: true` with packing: false, "
+                "which applies this project's fixes and checks them before training")
+    return None
+
+
+def hybrid_model_without_reference_kernels(recipe: Recipe, ctx: LintContext) -> str | None:
+    from sft_recipes.models import PACKING_QUIRKS
+
+    config = ctx.model_config if _packs(recipe) else None
+    if config is None:
+        return None
+    layer_types = getattr(config.get_text_config(), "layer_types", None) or []
+    if "linear_attention" in layer_types and config.model_type not in PACKING_QUIRKS:
+        return (f"{config.model_type} has linear-attention layers and no segment-aware kernels or reference path here: "
+                "packed examples would share convolution and recurrent state; turn packing off, or add the "
+                "architecture to sft_recipes.models.registry.PACKING_QUIRKS")
+    return None
+
+
+def cpu_offload_without_accelerator(recipe: Recipe, ctx: LintContext) -> str | None:
+    if _env_flag("FSDP_OFFLOAD_PARAMS") and not ctx.has_accelerator:
+        return "fsdp_offload_params needs an accelerator to offload from; set fsdp_offload_params: false on CPU"
+    return None
+
+
+def bf16_without_hardware_support(recipe: Recipe, ctx: LintContext) -> str | None:
+    t = recipe.training
+    # Only the machine that trains can tell; a dry run on a laptop plans for the cluster's GPUs.
+    if t.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        return "bf16: true but this GPU has no bf16 (pre-Ampere); use fp16: true and bf16: false, or a newer GPU"
+    return None
+
+
+def batch_the_world_cannot_produce(recipe: Recipe, ctx: LintContext) -> str | None:
+    t = recipe.training
+    if (t.global_batch_size or t.global_batch_tokens) and "gradient_accumulation_steps" in recipe.values:
+        return ("the recipe sets both a global batch and gradient_accumulation_steps; drop gradient_accumulation_steps "
+                "(it is derived from the global batch and the world size)")
+    try:
+        derive_gradient_accumulation(t, ctx.world_size)
+    except ValueError as err:
+        return str(err).rstrip(".")
+    return None
+
+
+RULES = (
+    activation_checkpointing_twice,
+    trl_packing_with_block_packing,
+    block_packing_needs_chat_data,
+    packing_architecture_needs_our_fixes,
+    hybrid_model_without_reference_kernels,
+    cpu_offload_without_accelerator,
+    bf16_without_hardware_support,
+    batch_the_world_cannot_produce,
+)
+
+
+def lint_recipe(recipe: Recipe, ctx: LintContext | None = None) -> None:
+    ctx = ctx or LintContext.from_environment()
+    problems = [message for rule in RULES if (message := rule(recipe, ctx))]
     if problems:
         raise RecipeError(f"{recipe.source}: " + "; ".join(problems) + ".")

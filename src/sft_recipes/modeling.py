@@ -21,6 +21,11 @@ def resolve_model_path(model_name_or_path: str) -> str:
     return model_name_or_path
 
 
+def model_config_of(model_args):
+    """The recipe model's config.json (a small download for Hub models; a tiny build for `tiny:`)."""
+    return AutoConfig.from_pretrained(resolve_model_path(model_args.model_name_or_path), revision=model_args.model_revision)
+
+
 def load_tokenizer(model_args, model_path: str | None = None) -> PreTrainedTokenizerBase:
     path = model_path or resolve_model_path(model_args.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision)
@@ -40,6 +45,25 @@ def model_class_for(config) -> type[PreTrainedModel]:
     return transformers.AutoModelForCausalLM
 
 
+def mxfp4_loading(config, dequantize_mxfp4: bool, path: str) -> transformers.Mxfp4Config | None:
+    """`Mxfp4Config(dequantize=True)` for an MXFP4 checkpoint (gpt-oss), None for any other.
+
+    MXFP4 weights cannot be trained (no gradients through the packed FP4 kernels), so an MXFP4
+    checkpoint without `dequantize_mxfp4` is refused rather than loaded frozen or left to
+    transformers' hardware-dependent fallback.
+    """
+    quantization = getattr(config, "quantization_config", None) or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+    if method != "mxfp4":
+        return None
+    if not dequantize_mxfp4:
+        raise ValueError(
+            f"{path} is an MXFP4-quantized checkpoint, which cannot be trained as it is: set `dequantize_mxfp4: true` "
+            "in the recipe to load it dequantized to `dtype` (bfloat16 for gpt-oss)."
+        )
+    return transformers.Mxfp4Config(dequantize=True)
+
+
 def load_model(model_args, model_path: str | None = None) -> PreTrainedModel:
     path = model_path or resolve_model_path(model_args.model_name_or_path)
     config = AutoConfig.from_pretrained(path, revision=model_args.model_revision)
@@ -49,6 +73,7 @@ def load_model(model_args, model_path: str | None = None) -> PreTrainedModel:
         revision=model_args.model_revision,
         dtype=dtype,
         attn_implementation=model_args.attn_implementation,
+        quantization_config=mxfp4_loading(config, model_args.dequantize_mxfp4, path),
     )
     # A KV cache is useless in training and disables transformers' packed-sequence detection.
     model.config.use_cache = False

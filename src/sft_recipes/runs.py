@@ -1,34 +1,124 @@
-"""What a run reports about itself: where it resumed from, its losses, and its closing line."""
+"""What a run reports about itself, and which checkpoints in its output_dir it may resume from."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
+
+from sft_recipes.fault.checkpoints import (
+    COMPLETION_MARKER,
+    list_checkpoints,
+    newest_complete_checkpoint,
+    read_checkpoint,
+    recipe_fingerprint,
+)
 
 logger = logging.getLogger(__name__)
 
+# Recipe keys a resumed run may change without becoming "another recipe": where and how often it
+# saves and logs, how long it runs, how it exports, how patient its guards are.
+RESUME_SAFE_KEYS = frozenset({
+    "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "max_steps", "num_train_epochs",
+    "save_strategy", "save_steps", "save_total_limit", "logging_strategy", "logging_steps", "logging_first_step",
+    "report_to", "run_name", "mlflow_experiment_name", "export_dtype", "verify_export", "ddp_timeout",
+    "max_nonfinite_steps_in_a_row", "max_dropped_share", "dataloader_num_workers", "disable_tqdm",
+})
+
+
+def recipe_identity(recipe) -> dict[str, Any]:
+    """The recipe values that decide what is trained: every key the recipe sets but RESUME_SAFE_KEYS.
+
+    Values are read back from the parsed arguments, so `3e-3` and `0.003` are the same recipe.
+    """
+    owners = (recipe.data, recipe.model, recipe.training)
+    return {key: getattr(next(owner for owner in owners if hasattr(owner, key)), key)
+            for key in sorted(recipe.values) if key not in RESUME_SAFE_KEYS}
+
+
+def _explicit_resume_path(training_args) -> Path | None:
+    wanted = training_args.resume_from_checkpoint
+    return Path(wanted).resolve() if wanted not in (None, "auto") else None
+
+
+def _recipe_diff(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
+    ours = json.loads(json.dumps(ours, default=str))  # compared as the markers store them
+    keys = sorted(set(theirs) | set(ours))
+    changed = [f"{key}: {theirs.get(key, '<unset>')!r} there, {ours.get(key, '<unset>')!r} here"
+               for key in keys if theirs.get(key, "<unset>") != ours.get(key, "<unset>")]
+    return "; ".join(changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
+
+
+def protect_output_dir(recipe, training_args) -> list[Path]:
+    """Refuse to mix this recipe's checkpoints with another recipe's; set aside what cannot be resumed.
+
+    - complete checkpoints of another recipe: ValueError, unless `overwrite_output_dir`;
+    - `overwrite_output_dir`: every checkpoint is set aside and the run starts over;
+    - incomplete checkpoints (an interrupted save, or another tool's): set aside, so they are neither
+      resumed from nor overwritten piecemeal by a later save of the same step.
+    Setting aside moves a checkpoint into `output_dir/set-aside-<time>/`; nothing is deleted.
+    Every rank decides the same; rank 0 moves. Returns the new paths of what was moved.
+    """
+    output_dir = Path(training_args.output_dir)
+    identity = recipe_identity(recipe)
+    fingerprint = recipe_fingerprint(identity)
+    explicit = _explicit_resume_path(training_args)
+    checkpoints = [c for c in list_checkpoints(output_dir) if c.path.resolve() != explicit]
+    foreign = [c for c in checkpoints if c.complete and c.fingerprint != fingerprint]
+    if foreign and not training_args.overwrite_output_dir:
+        newest = max(foreign, key=lambda c: c.completed_at)
+        raise ValueError(
+            f"output_dir {output_dir} holds checkpoints of another recipe ({', '.join(c.path.name for c in foreign)}): "
+            f"{_recipe_diff(newest.marker.get('recipe', {}), identity)}. Resuming would mix two trainings. Use "
+            "another output_dir, or pass --overwrite_output_dir true to start over here (the old checkpoints are "
+            "moved to a set-aside-<time>/ folder, not deleted)."
+        )
+    if training_args.overwrite_output_dir:
+        to_move = checkpoints
+    else:
+        to_move = [c for c in checkpoints if not c.complete]
+    if not to_move:
+        return []
+    aside = output_dir / f"set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
+    if training_args.process_index == 0:
+        aside.mkdir(parents=True, exist_ok=True)
+        for checkpoint in to_move:
+            checkpoint.path.rename(aside / checkpoint.path.name)
+        logger.warning("moved %s into %s (%s)", ", ".join(c.path.name for c in to_move), aside,
+                       "overwrite_output_dir" if training_args.overwrite_output_dir
+                       else f"no {COMPLETION_MARKER}: an interrupted save, or written by another tool")
+    return [aside / checkpoint.path.name for checkpoint in to_move]
+
 
 def resolve_resume_checkpoint(training_args) -> str | None:
-    """`resume_from_checkpoint`: None (fresh), "auto" (newest in output_dir, else fresh) or a path."""
+    """`resume_from_checkpoint`: None (fresh), "auto" (newest complete one in output_dir, else fresh) or a path."""
     wanted = training_args.resume_from_checkpoint
     if wanted is None:
         return None
+    is_main = training_args.process_index == 0
     if wanted == "auto":
         output_dir = Path(training_args.output_dir)
-        last = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
-        if training_args.process_index == 0:
-            logger.info("resume_from_checkpoint=auto: %s", f"resuming from {last}" if last else "no checkpoint, starting fresh")
-        return last
+        newest = newest_complete_checkpoint(output_dir)
+        incomplete = [c.path.name for c in list_checkpoints(output_dir) if not c.complete]
+        if is_main and incomplete:
+            logger.warning("resume_from_checkpoint=auto: skipping %s (no %s: the save did not finish)",
+                           ", ".join(incomplete), COMPLETION_MARKER)
+        if is_main:
+            logger.info("resume_from_checkpoint=auto: %s",
+                        f"resuming from {newest.path}" if newest else "no complete checkpoint, starting fresh")
+        return str(newest.path) if newest else None
     if not Path(wanted).is_dir():
         raise ValueError(
             f"resume_from_checkpoint={wanted!r} is not a checkpoint directory. Use 'auto' to take the newest "
             f"checkpoint in output_dir, or a path like {training_args.output_dir}/checkpoint-100."
         )
+    checkpoint = read_checkpoint(Path(wanted))
+    if is_main and (checkpoint is None or not checkpoint.complete):
+        logger.warning("resume_from_checkpoint=%s has no %s: resuming anyway, as asked", wanted, COMPLETION_MARKER)
     return wanted
 
 
@@ -42,7 +132,7 @@ class RunSummaryCallback(TrainerCallback):
         self._step_started = 0.0
         self.step_seconds: list[float] = []
         self.mlflow_run_id: str | None = None
-        self.packing_efficiency: float | None = None
+        self.last_metrics: dict[str, float] = {}  # the newest throughput/packing figures logged
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero and "mlflow" in (args.report_to or []):
@@ -63,8 +153,9 @@ class RunSummaryCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses[state.global_step] = float(logs["loss"])
-        if logs and "packing_efficiency" in logs:
-            self.packing_efficiency = float(logs["packing_efficiency"])
+        for key in ("packing_efficiency", "tokens_per_second_per_device", "mfu", "peak_memory_gib"):
+            if logs and key in logs:
+                self.last_metrics[key] = float(logs[key])
 
     def finish(self, train_seconds: float, output_dir: Path, tracking_uri: str | None, logit_diff: float | None,
                resumed_from: str | None, distributed: str) -> dict[str, Any]:
@@ -78,7 +169,10 @@ class RunSummaryCallback(TrainerCallback):
             "seconds_per_step": round(sum(self.step_seconds) / steps_run, 4) if steps_run else None,
             "final_loss": self.losses[max(self.losses)] if self.losses else None,
             "losses": {str(step): loss for step, loss in sorted(self.losses.items())},
-            "packing_efficiency": self.packing_efficiency,
+            "packing_efficiency": self.last_metrics.get("packing_efficiency"),
+            "tokens_per_second_per_device": self.last_metrics.get("tokens_per_second_per_device"),
+            "mfu": self.last_metrics.get("mfu"),
+            "peak_memory_gib": self.last_metrics.get("peak_memory_gib"),
             "checkpoint": str(output_dir),
             "export_max_logit_diff": logit_diff,
             "mlflow_tracking_uri": tracking_uri,
@@ -89,7 +183,10 @@ class RunSummaryCallback(TrainerCallback):
     def closing_line(report: dict[str, Any]) -> str:
         loss = f"{report['final_loss']:.4f}" if report["final_loss"] is not None else "n/a"
         per_step = f"{report['seconds_per_step']:.2f}s/step" if report["seconds_per_step"] else "n/a"
+        speed = report["tokens_per_second_per_device"]
+        throughput = f", {speed:,.0f} tokens/s/device" if speed else ""
+        mfu = f", MFU {report['mfu']:.1%}" if report["mfu"] else ""
         return (
-            f"[train] {report['steps']} steps in {report['train_seconds']:.1f}s ({per_step}), final loss={loss} | "
-            f"checkpoint: {report['checkpoint']}"
+            f"[train] {report['steps']} steps in {report['train_seconds']:.1f}s ({per_step}{throughput}{mfu}), "
+            f"final loss={loss} | checkpoint: {report['checkpoint']}"
         )

@@ -7,6 +7,7 @@ from torch.utils.data import DataLoader
 from trl import SFTTrainer
 
 from sft_recipes.data.blocks import RankLocalBlockStream, StopWhenAnyRankExhausted
+from sft_recipes.metrics import ThroughputMeter
 
 
 class RecipeSFTTrainer(SFTTrainer):
@@ -18,7 +19,8 @@ class RecipeSFTTrainer(SFTTrainer):
     preparation skipped (the stream is tokenized and packed already).
     """
 
-    def __init__(self, *args, train_dataset=None, **kwargs):
+    def __init__(self, *args, train_dataset=None, throughput: ThroughputMeter | None = None, **kwargs):
+        self.throughput = throughput
         self.block_stream = train_dataset if isinstance(train_dataset, RankLocalBlockStream) else None
         self.exhaustion = None
         if self.block_stream is not None:
@@ -47,12 +49,22 @@ class RecipeSFTTrainer(SFTTrainer):
         )
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self.block_stream is not None:  # this rank's running share of real tokens in its blocks
-            logs["packing_efficiency"] = round(self.block_stream.stats.packing_efficiency, 4)
+        if "loss" in logs:  # a training log (not the end-of-training summary)
+            if self.throughput is not None:
+                logs.update(self.throughput.report())
+            if self.block_stream is not None:  # this rank's running share of real tokens in its blocks
+                logs["packing_efficiency"] = round(self.block_stream.stats.packing_efficiency, 4)
         super().log(logs, start_time)
+
+    def train(self, *args, **kwargs):
+        if self.throughput is not None:
+            self.throughput.restart()  # model loading and preparation are not training time
+        return super().train(*args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         exhausted = inputs.pop("stream_exhausted", None)
+        if self.throughput is not None:
+            self.throughput.observe(inputs)
         if exhausted is not None and bool(exhausted):
             self.exhaustion.exhausted = True
         return super().training_step(model, inputs, num_items_in_batch)

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+# Formats trained as chat conversations with assistant-only masks.
+CHAT_FORMATS = ("messages", "reasoning")
+
 # Columns each format reads; the first group must exist, the second may.
 REQUIRED_COLUMNS: dict[str, tuple[set[str], set[str]]] = {
     "alpaca": ({"instruction", "output"}, {"input"}),
     "messages": ({"messages"}, set()),
+    "reasoning": ({"messages"}, set()),  # messages whose assistant turns carry `thinking`
     "text": ({"text"}, set()),
 }
 

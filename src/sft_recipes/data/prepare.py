@@ -10,6 +10,7 @@ from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
 from sft_recipes.data.formats import alpaca_to_prompt_completion
 from sft_recipes.data.masking import tokenize_dataset
 from sft_recipes.data.packing import BlockDiagonalCollator
+from sft_recipes.data.reasoning import check_reasoning_is_trained
 
 
 def prepare_train_dataset(raw: Dataset | IterableDataset, data_args, tokenizer, training_args
@@ -20,6 +21,8 @@ def prepare_train_dataset(raw: Dataset | IterableDataset, data_args, tokenizer, 
     if data_args.dataset_format == "text":
         return raw, None
     template_kwargs = data_args.chat_template_kwargs or {}
+    if data_args.dataset_format == "reasoning":  # then trained exactly like messages
+        check_reasoning_is_trained(raw, tokenizer, **template_kwargs)
     if data_args.pack_blocks:
         stream = RankLocalBlockStream(
             raw, tokenizer, training_args.max_length, training_args.process_index, training_args.world_size,

@@ -1,0 +1,95 @@
+"""Test-only launcher: scripts/sft.py with faults injected, chosen by environment variables.
+
+    accelerate launch ... tests/fault_injection.py RECIPE [--key value ...]
+
+Each variable names a rank and the optimizer step (1-based, the step being taken) it acts on:
+  FAULT_SLOW_STEP_SECONDS=0.3     every rank sleeps this long per micro-batch (to signal mid-run)
+  FAULT_KILL_IN_SAVE=1:4          rank 1 SIGKILLs itself in the save of checkpoint-4, after the model
+                                  and optimizer shards are written and before its RNG state
+  FAULT_HANG_AT=1:3               rank 1 SIGSTOPs itself at the start of step 3 (a hung, not dead, rank)
+  FAULT_NAN_AT=1:3,5,6            rank 1's loss is NaN at steps 3, 5 and 6
+  FAULT_END_TOGETHER=1            the trainer gets EndOfDataTogetherMixin; every rank prints
+                                  "BATCHES rank=R step=S n=N" for each optimizer step
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+import time
+from pathlib import Path
+
+import transformers
+import trl
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def _target(name: str) -> tuple[int, set[int]] | None:
+    """'rank:step[,step...]' from the environment."""
+    value = os.environ.get(name)
+    if not value:
+        return None
+    rank, steps = value.split(":")
+    return int(rank), {int(step) for step in steps.split(",")}
+
+
+def _here(target: tuple[int, set[int]] | None, step: int) -> bool:
+    return target is not None and target[0] == RANK and step in target[1]
+
+
+def install_faults() -> None:
+    trainer_cls = transformers.Trainer
+    slow = float(os.environ.get("FAULT_SLOW_STEP_SECONDS", "0"))
+    hang, nan, kill_in_save = _target("FAULT_HANG_AT"), _target("FAULT_NAN_AT"), _target("FAULT_KILL_IN_SAVE")
+
+    original_training_step = trainer_cls.training_step
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if slow:
+            time.sleep(slow)
+        if _here(hang, self.state.global_step + 1):
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return original_training_step(self, model, inputs, num_items_in_batch)
+
+    original_compute_loss = trl.SFTTrainer.compute_loss  # SFTTrainer computes its loss itself
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        result = original_compute_loss(self, model, inputs, *args, **kwargs)
+        if _here(nan, self.state.global_step + 1):
+            if isinstance(result, tuple):
+                return (result[0] * float("nan"), *result[1:])
+            return result * float("nan")
+        return result
+
+    original_save_rng_state = trainer_cls._save_rng_state
+
+    def save_rng_state(self, output_dir):
+        if _here(kill_in_save, self.state.global_step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_save_rng_state(self, output_dir)
+
+    trainer_cls.training_step = training_step
+    trl.SFTTrainer.compute_loss = compute_loss
+    trainer_cls._save_rng_state = save_rng_state
+
+    if os.environ.get("FAULT_END_TOGETHER"):
+        import sft_recipes.trainer
+        from sft_recipes.fault.uneven_shards import EndOfDataTogetherMixin
+
+        class EndTogetherTrainer(EndOfDataTogetherMixin, sft_recipes.trainer.RecipeSFTTrainer):
+            def get_batch_samples(self, epoch_iterator, num_batches, device):
+                batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
+                print(f"BATCHES rank={RANK} step={self.state.global_step + 1} n={len(batches)}", flush=True)
+                return batches, items
+
+        sft_recipes.trainer.RecipeSFTTrainer = EndTogetherTrainer
+
+
+if __name__ == "__main__":
+    install_faults()
+    sys.argv = [str(REPO_ROOT / "scripts" / "sft.py"), *sys.argv[1:]]
+    runpy.run_path(sys.argv[0], run_name="__main__")

@@ -1,0 +1,163 @@
+"""Bad rows are dropped by policy and counted per reason; too many, or nothing to learn, refuses to start."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import SFTConfig, SFTTrainer
+
+from conftest import TINY_LLAMA_RECIPE, bin_path, run_command
+from sft_recipes.data.formats import alpaca_to_prompt_completion
+from sft_recipes.data.masking import tokenize_conversations
+from sft_recipes.data.validation import apply_length_policy, load_checked_dataset
+from sft_recipes.tiny import ensure_tiny
+
+REAL_ALPACA = "tatsu-lab__alpaca.stanford_alpaca_pr152_subset300.jsonl"
+
+BAD_ALPACA_LINES = [
+    '{"instruction": "Name a color.", "output": "Blue"',  # invalid_json: cut short
+    '["Name a color.", "Blue"]',  # invalid_json: not an object
+    '{"instruction": "Name a color.", "input": ""}',  # missing_field: no output
+    '{"instruction": "Name a color.", "output": null}',  # missing_field
+    '{"instruction": "Name a color.", "output": ["Blue"]}',  # not_a_string
+    '{"instruction": "Name a color.", "input": 5, "output": "Blue"}',  # not_a_string: input
+    '{"instruction": "   ", "output": "Blue"}',  # empty_content
+]
+
+
+def data_args(path, dataset_format="alpaca", overlong_policy="truncate"):
+    return SimpleNamespace(dataset_name=str(path), dataset_format=dataset_format, dataset_streaming=False,
+                           dataset_train_split="train", dataset_config=None, dataset_revision=None,
+                           max_train_samples=None, overlong_policy=overlong_policy, pack_blocks=False,
+                           chat_template_kwargs=None)
+
+
+@pytest.fixture
+def alpaca_with_bad_lines(tmp_path, realworld):
+    good = (realworld / "data" / REAL_ALPACA).read_text().splitlines()[:20]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(good[:10] + BAD_ALPACA_LINES + good[10:]) + "\n")
+    return path, [json.loads(line) for line in good]
+
+
+def test_every_bad_alpaca_row_is_counted_under_its_reason(alpaca_with_bad_lines):
+    path, good = alpaca_with_bad_lines
+    dataset, report = load_checked_dataset(data_args(path))
+    assert dict(report.dropped) == {"invalid_json": 2, "missing_field": 2, "not_a_string": 2, "empty_content": 1}
+    assert (report.rows, report.kept) == (27, 20)
+    assert report.examples["invalid_json"] == 'line 11: {"instruction": "Name a color.", "output": "Blue"'
+    assert report.examples["not_a_string"].startswith('line 15: {"instruction": "Name a color.", "output": ["Blue"]')
+    assert dataset.to_list() == [{"input": row["input"], "instruction": row["instruction"], "output": row["output"]}
+                                 for row in good]
+
+
+def test_too_many_bad_rows_refuse_to_start_showing_one(alpaca_with_bad_lines):
+    path, _ = alpaca_with_bad_lines
+    _, report = load_checked_dataset(data_args(path))
+    with pytest.raises(ValueError) as error:
+        report.enforce(max_dropped_share=0.05)
+    message = str(error.value)
+    assert "25.93% of the rows are bad, more than max_dropped_share=0.05" in message
+    assert 'first missing_field row, line 13: {"instruction": "Name a color.", "input": ""}' in message
+    report.enforce(max_dropped_share=0.3)  # a higher share, chosen on purpose, is accepted
+
+
+def test_every_bad_conversation_is_counted_under_its_reason(tmp_path):
+    ask, reply = {"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}
+    rows = [
+        {"messages": [ask, reply]},
+        {"messages": [{"role": "system", "content": ""}, ask, reply]},  # an empty system prompt is fine
+        {"messages": [{"role": "bot", "content": "Hi?"}, reply]},  # unknown_role
+        {"messages": [ask]},  # no_assistant_turn
+        {"messages": [{"role": "user", "content": ""}, reply]},  # empty_content
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi?"}]}, reply]},  # not_a_string
+        {"messages": [{"content": "Hi?"}, reply]},  # missing_field: role
+        {"messages": [ask, {"role": "assistant"}]},  # missing_field: content
+        {"messages": "Hi?"},  # not_a_string: the conversation itself
+        {"prompt": "Hi?"},  # missing_field: messages
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    dataset, report = load_checked_dataset(data_args(path, "messages"))
+    assert dict(report.dropped) == {"unknown_role": 1, "no_assistant_turn": 1, "empty_content": 1,
+                                    "not_a_string": 2, "missing_field": 3}
+    assert dataset["messages"] == [rows[0]["messages"], rows[1]["messages"]]
+
+
+def test_all_bad_data_refuses_to_start(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(BAD_ALPACA_LINES) + "\n")
+    with pytest.raises(ValueError, match="Refusing to train: no row is left"):
+        load_checked_dataset(data_args(path))
+
+
+def test_the_training_script_refuses_bad_data_before_loading_anything(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(BAD_ALPACA_LINES) + "\n")
+    result = run_command([bin_path("python"), "scripts/sft.py", str(TINY_LLAMA_RECIPE),
+                          "--dataset_name", str(path), "--output_dir", str(tmp_path / "out")])
+    assert result.returncode != 0
+    assert "Refusing to train: no row is left" in result.stderr
+    assert 'first invalid_json row, line 1: {"instruction": "Name a color.", "output": "Blue"' in result.stderr
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(ensure_tiny("llama"))
+
+
+@pytest.fixture(scope="module")
+def trl_prepared(tokenizer, realworld, tmp_path_factory):
+    """40 real alpaca rows, and what TRL itself makes of them without truncation (input_ids, labels)."""
+    rows = [json.loads(line) for line in (realworld / "data" / REAL_ALPACA).read_text().splitlines()[:40]]
+    raw = Dataset.from_list(rows)
+    trainer = SFTTrainer(
+        model=AutoModelForCausalLM.from_pretrained(ensure_tiny("llama")),
+        args=SFTConfig(output_dir=str(tmp_path_factory.mktemp("trl")), max_length=None, use_cpu=True, bf16=False,
+                       report_to="none"),
+        train_dataset=raw.map(alpaca_to_prompt_completion, remove_columns=raw.column_names),
+        processing_class=tokenizer,
+    )
+    return raw, trainer.train_dataset
+
+
+def test_length_policy_counts_what_trl_truncates_and_drops(tokenizer, trl_prepared):
+    raw, prepared = trl_prepared
+    prompt_lengths = [next(i for i, label in enumerate(labels) if label != -100) for labels in prepared["labels"]]
+    max_length = sorted(prompt_lengths)[len(prompt_lengths) // 2]  # half the prompts alone fill it
+    # What TRL keeps after its keep_start truncation, computed from TRL's own output:
+    truncated = sum(len(ids) > max_length for ids in prepared["input_ids"])
+    targets_left = [sum(label != -100 for label in labels[:max_length]) for labels in prepared["labels"]]
+    assert 0 < targets_left.count(0) < len(raw) and truncated > targets_left.count(0)
+
+    report = SimpleNamespace(truncated=0, trainable_tokens=None, drops=[])
+    report.drop = lambda reason, where, row: report.drops.append(reason)
+    kept = apply_length_policy(raw, data_args("x"), SimpleNamespace(max_length=max_length, completion_only_loss=None),
+                               tokenizer, report)
+    assert report.drops == ["no_trainable_tokens"] * targets_left.count(0)
+    assert report.truncated == truncated - targets_left.count(0)
+    assert report.trainable_tokens == sum(targets_left)
+    assert len(kept) == len(raw) - targets_left.count(0)
+
+    report.drops, report.truncated = [], 0
+    kept = apply_length_policy(raw, data_args("x", overlong_policy="drop"),
+                               SimpleNamespace(max_length=max_length, completion_only_loss=None), tokenizer, report)
+    assert report.drops.count("overlong") == truncated
+    assert len(kept) == len(raw) - truncated
+
+
+def test_length_policy_measures_conversations_as_the_masking_renders_them(tokenizer):
+    rows = [json.loads(line) for line in open("data/samples/ultrachat.jsonl").read().splitlines()[:30]]
+    lengths = [len(ids) for ids in tokenize_conversations(tokenizer, [row["messages"] for row in rows])["input_ids"]]
+    max_length = sorted(lengths)[len(lengths) // 2]
+    report = SimpleNamespace(truncated=0, trainable_tokens=None, drops=[])
+    report.drop = lambda reason, where, row: report.drops.append(reason)
+    kept = apply_length_policy(Dataset.from_list([{"messages": row["messages"]} for row in rows]),
+                               data_args("x", "messages", overlong_policy="drop"),
+                               SimpleNamespace(max_length=max_length, completion_only_loss=None), tokenizer, report)
+    assert report.drops == ["overlong"] * sum(length > max_length for length in lengths)
+    assert len(kept) == sum(length <= max_length for length in lengths)

@@ -1,0 +1,59 @@
+"""`scripts/sft.py RECIPE --dry-run`: the shipped recipes planned on the real model configs, no GPU, no weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO_ROOT, SHARED_REALWORLD, bin_path, run_command
+
+CONFIGS = SHARED_REALWORLD / "model_configs"
+KEYS = {"total_params", "trainable_params", "world_size", "tokens_per_step", "per_device_memory_gib", "fits"}
+
+
+def dry_run(tmp_path, recipe, config_file, model_config, *overrides):
+    plan_path = tmp_path / "plan.json"
+    result = run_command([bin_path("python"), "scripts/sft.py", f"recipes/{recipe}", "--dry-run",
+                          "--config_file", f"accelerate_configs/{config_file}", "--model_name_or_path",
+                          str(CONFIGS / model_config), "--plan-json", str(plan_path), *overrides])
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads(plan_path.read_text())
+    assert KEYS <= set(plan) and {"params", "grads", "optimizer", "activations", "total"} <= set(plan["per_device_memory_gib"])
+    return plan, result.stdout
+
+
+def test_qwen27b_32k_blocks_fit_b300_not_h100(tmp_path):
+    plan, printed = dry_run(tmp_path, "qwen27b.yaml", "fsdp2_8gpu.yaml", "Qwen__Qwen3.5-27B.derived.json")
+    assert plan["fits"]["B300"] and not plan["fits"]["H100"]
+    assert plan["world_size"] == 8 and plan["tokens_per_step"] == 8 * 32768
+    assert "memory per GPU" in printed and "H100" in printed
+
+
+def test_qwen27b_8k_blocks_fit_h100(tmp_path):
+    plan, _ = dry_run(tmp_path, "qwen27b.yaml", "fsdp2_8gpu.yaml", "Qwen__Qwen3.5-27B.derived.json", "--max_length", "8192")
+    assert plan["fits"]["H100"]
+
+
+def test_llama8b_fits_16_h100(tmp_path):
+    plan, _ = dry_run(tmp_path, "llama8b.yaml", "fsdp2_2node.yaml", "meta-llama__Llama-3.1-8B.json")
+    assert plan["world_size"] == 16 and plan["fits"]["H100"]
+    assert plan["total_params"] == pytest.approx(8.03e9, rel=0.01)
+    assert plan["tokens_per_step"] == 4 * 2 * 16 * 1024
+
+
+def test_world_size_flag_overrides_the_config(tmp_path):
+    plan, _ = dry_run(tmp_path, "llama8b.yaml", "fsdp2_2node.yaml", "meta-llama__Llama-3.1-8B.json", "--world_size", "32")
+    assert plan["world_size"] == 32
+
+
+def test_dry_run_lints_with_the_accelerate_config(tmp_path):
+    result = run_command([bin_path("python"), "scripts/sft.py", "recipes/llama8b.yaml", "--dry-run", "--config_file",
+                          "accelerate_configs/fsdp2_8gpu.yaml", "--model_name_or_path",
+                          str(CONFIGS / "meta-llama__Llama-3.1-8B.json"), "--activation_checkpointing", "true"])
+    assert result.returncode == 2 and "activation checkpointing is on twice" in result.stderr
+
+
+def test_dry_run_needs_a_world_size():
+    result = run_command([bin_path("python"), "scripts/sft.py", "recipes/llama8b.yaml", "--dry-run"])
+    assert result.returncode == 2 and "pass --config_file" in result.stderr

@@ -1,0 +1,121 @@
+"""Which checkpoints a run may resume from, rotate, or must leave alone (no training: folders and markers)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+import sft_recipes.fault.checkpoints as checkpoints
+from conftest import TINY_LLAMA_RECIPE
+from sft_recipes.config import load_recipe
+from sft_recipes.fault.checkpoints import COMPLETION_MARKER, recipe_fingerprint, rotate_checkpoints, write_marker
+from sft_recipes.runs import protect_output_dir, recipe_identity, resolve_resume_checkpoint
+
+
+def tiny_recipe(*overrides: str):
+    return load_recipe(TINY_LLAMA_RECIPE, list(overrides))
+
+
+def args_for(output_dir, resume="auto", overwrite=False):
+    return SimpleNamespace(output_dir=str(output_dir), resume_from_checkpoint=resume, overwrite_output_dir=overwrite,
+                           process_index=0)
+
+
+def make_checkpoint(output_dir, step, identity=None, completed_at=None, monkeypatch=None):
+    """A checkpoint folder; with `identity`, marked complete at `completed_at` as the callback marks it."""
+    path = output_dir / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text("{}")
+    if identity is not None:
+        monkeypatch.setattr(checkpoints.time, "time", lambda: completed_at)
+        write_marker(path, step, recipe_fingerprint(identity), identity)
+    return path
+
+
+def test_marker_holds_step_recipe_and_time_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    identity = recipe_identity(tiny_recipe())
+    path = make_checkpoint(tmp_path, 4, identity, 123.0, monkeypatch)
+    marker = json.loads((path / COMPLETION_MARKER).read_text())
+    assert marker["step"] == 4 and marker["completed_at"] == 123.0
+    assert marker["recipe"]["learning_rate"] == 0.003 and "output_dir" not in marker["recipe"]
+    assert sorted(p.name for p in path.iterdir()) == [COMPLETION_MARKER, "trainer_state.json"]
+
+
+def test_auto_resumes_from_the_last_completed_checkpoint_and_skips_unfinished_ones(tmp_path, monkeypatch):
+    identity = recipe_identity(tiny_recipe())
+    make_checkpoint(tmp_path, 4, identity, 100.0, monkeypatch)
+    make_checkpoint(tmp_path, 2, identity, 200.0, monkeypatch)  # completed later: a run resumed from 2 wrote it
+    make_checkpoint(tmp_path, 6)  # the save did not finish
+    assert resolve_resume_checkpoint(args_for(tmp_path)) == str(tmp_path / "checkpoint-2")
+
+
+def test_auto_starts_fresh_without_a_complete_checkpoint(tmp_path):
+    make_checkpoint(tmp_path, 6)
+    assert resolve_resume_checkpoint(args_for(tmp_path)) is None
+    assert resolve_resume_checkpoint(args_for(tmp_path / "missing")) is None
+
+
+def test_an_explicit_checkpoint_is_used_as_given_and_a_wrong_path_is_an_error(tmp_path):
+    unfinished = make_checkpoint(tmp_path, 6)
+    assert resolve_resume_checkpoint(args_for(tmp_path, resume=str(unfinished))) == str(unfinished)
+    with pytest.raises(ValueError, match="is not a checkpoint directory. Use 'auto'"):
+        resolve_resume_checkpoint(args_for(tmp_path, resume=str(tmp_path / "checkpoint-9")))
+
+
+def test_the_same_recipe_written_differently_or_resumed_with_other_run_settings_is_the_same(tmp_path):
+    base = recipe_fingerprint(recipe_identity(tiny_recipe()))
+    assert recipe_fingerprint(recipe_identity(tiny_recipe("--learning_rate", "3e-3"))) == base
+    assert recipe_fingerprint(recipe_identity(tiny_recipe("--max_steps", "99", "--save_steps", "7",
+                                                          "--output_dir", str(tmp_path)))) == base
+    assert recipe_fingerprint(recipe_identity(tiny_recipe("--learning_rate", "1e-3"))) != base
+
+
+def test_another_recipes_checkpoints_are_refused_with_the_difference(tmp_path, monkeypatch):
+    make_checkpoint(tmp_path, 4, recipe_identity(tiny_recipe("--learning_rate", "1e-3")), 100.0, monkeypatch)
+    with pytest.raises(ValueError) as error:
+        protect_output_dir(tiny_recipe(), args_for(tmp_path))
+    message = str(error.value)
+    assert "holds checkpoints of another recipe (checkpoint-4): learning_rate: 0.001 there, 0.003 here" in message
+    assert "--overwrite_output_dir true" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
+
+
+def test_overwrite_sets_every_checkpoint_aside_and_deletes_nothing(tmp_path, monkeypatch):
+    make_checkpoint(tmp_path, 4, recipe_identity(tiny_recipe("--learning_rate", "1e-3")), 100.0, monkeypatch)
+    make_checkpoint(tmp_path, 2, recipe_identity(tiny_recipe()), 90.0, monkeypatch)
+    moved = protect_output_dir(tiny_recipe(), args_for(tmp_path, overwrite=True))
+    assert sorted(p.name for p in moved) == ["checkpoint-2", "checkpoint-4"]
+    assert all((p / "trainer_state.json").is_file() for p in moved)
+    assert not list(tmp_path.glob("checkpoint-*"))
+    assert resolve_resume_checkpoint(args_for(tmp_path)) is None
+
+
+def test_unfinished_checkpoints_are_set_aside_and_this_recipes_are_kept(tmp_path, monkeypatch):
+    recipe = tiny_recipe()
+    make_checkpoint(tmp_path, 2, recipe_identity(recipe), 100.0, monkeypatch)
+    make_checkpoint(tmp_path, 4)
+    moved = protect_output_dir(recipe, args_for(tmp_path))
+    assert [p.relative_to(tmp_path).parts[1] for p in moved] == ["checkpoint-4"]
+    assert moved[0].parent.name.startswith("set-aside-") and (moved[0] / "trainer_state.json").is_file()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
+
+
+def test_an_explicitly_requested_checkpoint_is_never_set_aside(tmp_path):
+    unfinished = make_checkpoint(tmp_path, 4)
+    assert protect_output_dir(tiny_recipe(), args_for(tmp_path, resume=str(unfinished))) == []
+    assert unfinished.is_dir()
+
+
+def test_rotation_deletes_only_this_recipes_oldest_complete_checkpoints(tmp_path, monkeypatch):
+    identity = recipe_identity(tiny_recipe())
+    for step, completed_at in ((6, 300.0), (2, 100.0), (4, 200.0)):
+        make_checkpoint(tmp_path, step, identity, completed_at, monkeypatch)
+    make_checkpoint(tmp_path, 8)  # unfinished
+    make_checkpoint(tmp_path, 10, recipe_identity(tiny_recipe("--learning_rate", "1e-3")), 50.0, monkeypatch)
+    deleted = rotate_checkpoints(tmp_path, keep=2, fingerprint=recipe_fingerprint(identity))
+    assert deleted == [tmp_path / "checkpoint-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-4", "checkpoint-6",
+                                                          "checkpoint-8"]
+    assert rotate_checkpoints(tmp_path, keep=None, fingerprint=recipe_fingerprint(identity)) == []

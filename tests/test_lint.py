@@ -1,0 +1,113 @@
+"""Every linter rule: one case that triggers it (with its fix in the message) and one that does not."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from transformers import PretrainedConfig
+
+from sft_recipes.batching import derive_gradient_accumulation
+from sft_recipes.config import RecipeError, load_recipe
+from sft_recipes.lint import LintContext, lint_recipe
+from sft_recipes.tiny import tiny_config
+
+BASE = {
+    "model_name_or_path": "tiny:llama", "dataset_name": "data/samples/ultrachat.jsonl", "dataset_format": "messages",
+    "output_dir": "outputs/x", "use_cpu": True, "bf16": False, "activation_checkpointing": False,
+    "per_device_train_batch_size": 4,
+}
+
+
+def recipe(tmp_path, **changes):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({**BASE, **changes}))
+    return load_recipe(path)
+
+
+def lint(rec, world_size=1, accelerator=False, model_config=None):
+    lint_recipe(rec, LintContext(world_size, accelerator, (lambda: model_config) if model_config else None))
+
+
+def hybrid_config(model_type="qwen3_next"):
+    config = PretrainedConfig(layer_types=["linear_attention", "full_attention"])
+    config.model_type = model_type
+    return config
+
+
+CASES = {
+    # rule: (recipe changes, lint kwargs, env, expected message fragment)
+    "activation_checkpointing_twice": (
+        {"activation_checkpointing": True}, {}, {"FSDP_ACTIVATION_CHECKPOINTING": "true"},
+        "activation checkpointing is on twice"),
+    "trl_packing_with_block_packing": (
+        {"pack_blocks": True, "padding_free": True}, {}, {}, "TRL's own `packing`/`padding_free` must then be false"),
+    "block_packing_needs_chat_data": (
+        {"pack_blocks": True, "dataset_format": "alpaca", "dataset_name": "data/samples/alpaca.jsonl"}, {}, {},
+        "pack_blocks needs a chat dataset_format"),
+    "packing_architecture_needs_our_fixes": (
+        {"packing": True}, {"model_config": tiny_config("gpt_oss")}, {}, "use `pack_blocks: true`"),
+    "hybrid_model_without_reference_kernels": (
+        {"pack_blocks": True}, {"model_config": hybrid_config()}, {}, "qwen3_next has linear-attention layers"),
+    "lora_dropout_with_target_parameters (ModelArguments)": (
+        {"use_peft": True, "lora_target_parameters": ["mlp.experts.down_proj"], "lora_dropout": 0.05}, {}, {},
+        "Set `lora_dropout: 0.0`"),
+    "cpu_offload_without_accelerator": (
+        {}, {}, {"FSDP_OFFLOAD_PARAMS": "true"}, "set fsdp_offload_params: false on CPU"),
+    "batch_the_world_cannot_produce": (
+        {"global_batch_size": 100}, {"world_size": 16}, {}, "cannot be made on 16 processes"),
+}
+
+
+@pytest.mark.parametrize("rule", CASES)
+def test_rule_triggers_with_its_fix(rule, tmp_path, monkeypatch):
+    changes, lint_kwargs, env, fragment = CASES[rule]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RecipeError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        lint(recipe(tmp_path, **changes), **lint_kwargs)
+
+
+@pytest.mark.parametrize("rule", CASES)
+def test_rule_stays_quiet_on_a_sound_recipe(rule, tmp_path, monkeypatch):
+    for name in ("FSDP_ACTIVATION_CHECKPOINTING", "FSDP_OFFLOAD_PARAMS"):
+        monkeypatch.delenv(name, raising=False)
+    sound = {"pack_blocks": True, "global_batch_size": 128}
+    lint(recipe(tmp_path, **sound), world_size=16, model_config=tiny_config("qwen3_5"))  # registered hybrid: fine
+
+
+def test_all_problems_are_reported_together(tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    with pytest.raises(RecipeError) as err:
+        lint(recipe(tmp_path, global_batch_size=100, pack_blocks=True, padding_free=True), world_size=16)
+    assert str(err.value).count(";") >= 2
+
+
+def test_bf16_rule_on_a_gpu_without_bf16(tmp_path, monkeypatch):
+    rec = recipe(tmp_path, bf16=True)
+    monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda: False)
+    lint(rec)  # no GPU here: CPU runs with use_cpu autocast bf16, and dry runs plan for other GPUs
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    with pytest.raises(RecipeError, match="this GPU has no bf16"):
+        lint(rec, accelerator=True)
+
+
+def test_global_batch_and_explicit_accumulation_conflict(tmp_path):
+    with pytest.raises(RecipeError, match="drop gradient_accumulation_steps"):
+        lint(recipe(tmp_path, global_batch_size=128, gradient_accumulation_steps=2), world_size=16)
+
+
+@pytest.mark.parametrize(("nodes", "accumulation"), [(1, 4), (2, 2), (4, 1)])
+def test_global_batch_derivation_for_1_2_4_nodes(tmp_path, nodes, accumulation):
+    rec = recipe(tmp_path, global_batch_size=128)  # 4 per device
+    steps, derivation = derive_gradient_accumulation(rec.training, world_size=8 * nodes)
+    assert steps == accumulation
+    assert derivation == (f"global batch 128 sequences = 4 per device x {8 * nodes} processes "
+                          f"x {accumulation} accumulation steps (derived)")
+
+
+def test_global_batch_in_tokens(tmp_path):
+    rec = recipe(tmp_path, global_batch_tokens=8 * 32768, max_length=32768, per_device_train_batch_size=1)
+    assert derive_gradient_accumulation(rec.training, world_size=8)[0] == 1
+    assert derive_gradient_accumulation(rec.training, world_size=2)[0] == 4
+    with pytest.raises(ValueError, match="not a whole number of max_length=32768-token sequences"):
+        derive_gradient_accumulation(recipe(tmp_path, global_batch_tokens=1000, max_length=32768).training, 8)
