@@ -34,6 +34,7 @@ from sft_recipes.distributed import enable_cpu_fsdp, launched_world_size, set_fs
 from sft_recipes.fault import fault_tolerance_callbacks
 from sft_recipes.fault.collective_timeout import bound_collective_waits
 from sft_recipes.export import (
+    AdapterCheckpointCallback,
     export_adapter, export_consolidated, first_input_ids, verify_adapter_export, verify_export,
 )
 from sft_recipes.fsdp_wrap import guard_lora_fsdp_layout, pin_fsdp_wrap_classes
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     tracking_uri = configure_mlflow(training_args, model_args.mlflow_experiment_name)
     summary = RunSummaryCallback()
     lora_config = build_lora_config(model_args) if model_args.use_peft else None
+    adapter_saves = [AdapterCheckpointCallback()] if model_args.use_peft else []  # checkpoints in PEFT format too
     throughput = ThroughputMeter.for_run(AutoConfig.from_pretrained(model_path), lora_config, training_args.device)
     trainer = RecipeSFTTrainer(
         model=model,
@@ -135,9 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         train_dataset=train_dataset,
         data_collator=data_collator,
         processing_class=tokenizer,
-        callbacks=[RecipeParamsCallback(recipe.values), summary, DataReportCallback(data_report),
+        callbacks=[RecipeParamsCallback(recipe.values), summary, DataReportCallback(data_report), *adapter_saves,
                    *fault_tolerance_callbacks(training_args, recipe_identity(recipe))],
     )
+    for callback in adapter_saves:
+        callback.trainer = trainer
     layout = verify_distributed(trainer)
     set_fsdp_reduce_dtype(trainer, training_args.fsdp_reduce_dtype)
     if is_main:

@@ -57,3 +57,10 @@ def test_dry_run_lints_with_the_accelerate_config(tmp_path):
 def test_dry_run_needs_a_world_size():
     result = run_command([bin_path("python"), "scripts/sft.py", "recipes/llama8b.yaml", "--dry-run"])
     assert result.returncode == 2 and "pass --config_file" in result.stderr
+
+
+def test_gptoss120b_lora_fits_8_h100(tmp_path):
+    plan, _ = dry_run(tmp_path, "gptoss120b.yaml", "fsdp2_8gpu.yaml", "openai__gpt-oss-120b.derived.json")
+    assert plan["fits"]["H100"] and plan["world_size"] == 8
+    assert plan["total_params"] == pytest.approx(116.8e9, rel=0.01)
+    assert plan["trainable_params"] < 0.01 * plan["total_params"]

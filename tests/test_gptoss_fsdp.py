@@ -239,3 +239,16 @@ def test_mxfp4_base_trains_when_rank_0_alone_loads_it(runs):
     assert summary["export_max_logit_diff"] == pytest.approx(0.0, abs=1e-3)
     trained = adapter(runs["root"] / "mxfp4-run")
     assert len(trained) == 24 and all(tensor.dtype == torch.float32 for tensor in trained.values())
+
+
+@pytest.mark.fsdp
+def test_every_checkpoint_holds_a_loadable_peft_adapter(runs):
+    final = adapter(runs["root"] / "run")
+    for step in (SAVE_EVERY, STEPS):
+        saved = runs["root"] / "run" / f"checkpoint-{step}" / "adapter"
+        assert (saved / "adapter_config.json").is_file()
+        assert set(adapter(saved)) == set(final)
+    mid = adapter(runs["root"] / "run" / f"checkpoint-{SAVE_EVERY}" / "adapter")
+    last = adapter(runs["root"] / "run" / f"checkpoint-{STEPS}" / "adapter")
+    assert all(torch.equal(last[name], final[name]) for name in final)  # the last checkpoint is the export
+    assert any(not torch.equal(mid[name], final[name]) for name in final)  # trained on after the mid checkpoint

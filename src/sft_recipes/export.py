@@ -14,6 +14,7 @@ from pathlib import Path
 import datasets
 import torch
 import transformers
+from transformers import TrainerCallback
 from accelerate.utils import broadcast_object_list
 from safetensors import safe_open
 
@@ -139,3 +140,19 @@ def _compare_with_reloaded(
             f"{diff:.3g} > {tolerance:g}. Do not use it; re-export from the last checkpoint."
         )
     return diff
+
+
+class AdapterCheckpointCallback(TrainerCallback):
+    """Every checkpoint also holds the adapter in PEFT format (`checkpoint-N/adapter/`).
+
+    FSDP2 checkpoints keep the adapter only as DCP shards (for resume); this makes each one
+    loadable with `PeftModel.from_pretrained` too. Collective, like the save it follows. Give it
+    to the Trainer before the checkpoint-completion callback, so a checkpoint is only marked
+    complete once its adapter is written; `trainer` is set once the Trainer exists.
+    """
+
+    def __init__(self) -> None:
+        self.trainer = None
+
+    def on_save(self, args, state, control, **kwargs):
+        export_adapter(self.trainer, Path(args.output_dir) / f"checkpoint-{state.global_step}" / "adapter")
