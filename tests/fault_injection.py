@@ -76,17 +76,16 @@ def install_faults() -> None:
     trl.SFTTrainer.compute_loss = compute_loss
     trainer_cls._save_rng_state = save_rng_state
 
-    if os.environ.get("FAULT_END_TOGETHER"):
+    if os.environ.get("FAULT_END_TOGETHER"):  # report what RecipeSFTTrainer's EndOfDataTogetherMixin takes
         import sft_recipes.trainer
-        from sft_recipes.fault.uneven_shards import EndOfDataTogetherMixin
 
-        class EndTogetherTrainer(EndOfDataTogetherMixin, sft_recipes.trainer.RecipeSFTTrainer):
+        class ReportingTrainer(sft_recipes.trainer.RecipeSFTTrainer):
             def get_batch_samples(self, epoch_iterator, num_batches, device):
                 batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
                 print(f"BATCHES rank={RANK} step={self.state.global_step + 1} n={len(batches)}", flush=True)
                 return batches, items
 
-        sft_recipes.trainer.RecipeSFTTrainer = EndTogetherTrainer
+        sft_recipes.trainer.RecipeSFTTrainer = ReportingTrainer
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ def trl_prepared(tokenizer, realworld, tmp_path_factory):
     trainer = SFTTrainer(
         model=AutoModelForCausalLM.from_pretrained(ensure_tiny("llama")),
         args=SFTConfig(output_dir=str(tmp_path_factory.mktemp("trl")), max_length=None, use_cpu=True, bf16=False,
-                       report_to="none"),
+                       activation_checkpointing=False, report_to="none"),
         train_dataset=raw.map(alpaca_to_prompt_completion, remove_columns=raw.column_names),
         processing_class=tokenizer,
     )

@@ -35,6 +35,11 @@ def load_dcp(directory) -> dict[str, object]:
     return dict(flat(state))
 
 
+def worker_pid_when_started(run, rank: int) -> int:
+    wait_for(lambda: worker_pid(run, rank) is not None, run, f"rank {rank} to start")
+    return worker_pid(run, rank)
+
+
 def test_nonfinite_steps_are_skipped_and_three_in_a_row_stop_with_a_checkpoint(tmp_path):
     out = tmp_path / "nan"
     # Rank 1 alone produces NaN losses: the gradient reduction spreads them, every rank skips.
@@ -73,11 +78,6 @@ def test_a_hung_rank_makes_the_other_fail_within_ddp_timeout(tmp_path):
     assert timeout - 1 <= waited <= timeout + 15, waited
     assert f"Timed out waiting {timeout * 1000}ms" in result.output
     assert result.returncode != 0
-
-
-def worker_pid_when_started(run, rank: int) -> int:
-    wait_for(lambda: worker_pid(run, rank) is not None, run, f"rank {rank} to start")
-    return worker_pid(run, rank)
 
 
 def test_uneven_shards_end_every_pass_on_the_same_step(tmp_path):

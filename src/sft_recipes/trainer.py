@@ -7,11 +7,13 @@ from torch.utils.data import DataLoader
 from trl import SFTTrainer
 
 from sft_recipes.data.blocks import RankLocalBlockStream, StopWhenAnyRankExhausted
+from sft_recipes.fault.uneven_shards import EndOfDataTogetherMixin
 from sft_recipes.metrics import ThroughputMeter
 
 
-class RecipeSFTTrainer(SFTTrainer):
-    """SFTTrainer that can also train on a `RankLocalBlockStream`.
+class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
+    """SFTTrainer that can also train on a `RankLocalBlockStream`, and ends every pass over per-rank
+    streamed shards on the same step on every rank (`EndOfDataTogetherMixin`).
 
     The stream is already sharded per rank, so accelerate must not shard it again (it would make
     every rank read, and tokenize, the whole stream): `get_train_dataloader` serves it directly.

@@ -16,7 +16,8 @@ Policy, per reason (each dropped row is counted under the first reason that appl
 
 Training refuses to start (ValueError showing an offending row) when more than
 `max_dropped_share` of the rows are dropped, or when no trainable token is left. Streamed datasets
-are filtered lazily by the same row rules; their counts are not known at start.
+are filtered lazily by the same row rules; their counts are not known at start, and a streamed
+local .jsonl is read by `datasets`, so an invalid JSON line still fails it.
 """
 
 from __future__ import annotations

@@ -50,5 +50,7 @@ def agree_sum(value: float, timeout_seconds: int) -> float:
     return float(tensor.item())
 
 
-def any_rank(flag: bool, timeout_seconds: int) -> bool:
-    return agree_max(int(flag), timeout_seconds) > 0
+def barrier(timeout_seconds: int) -> None:
+    """Return once every rank has reached this call."""
+    if world_size() > 1:
+        dist.barrier(group=_agreement_group(timeout_seconds))

@@ -27,7 +27,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from sft_recipes.fault.agreement import agree_max
+from sft_recipes.fault.agreement import barrier
 
 logger = logging.getLogger(__name__)
 
@@ -147,10 +147,10 @@ class CheckpointCompletionCallback(TrainerCallback):
             marker.unlink(missing_ok=True)
 
     def on_save(self, args, state, control, **kwargs):
-        agree_max(0, args.ddp_timeout)  # every rank has written its shards and RNG state
+        barrier(args.ddp_timeout)  # every rank has written its shards and RNG state
         if state.is_world_process_zero:
             checkpoint_dir = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             write_marker(checkpoint_dir, state.global_step, self.fingerprint, self.identity)
             for path in rotate_checkpoints(args.output_dir, self.keep, self.fingerprint):
                 logger.info("save_total_limit=%s: deleted %s", self.keep, path)
-        agree_max(0, args.ddp_timeout)  # no rank moves on (or exits for requeue) before the marker is on disk
+        barrier(args.ddp_timeout)  # no rank moves on (or exits for requeue) before the marker is on disk

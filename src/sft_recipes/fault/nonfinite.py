@@ -1,11 +1,12 @@
 """Skip optimizer steps whose gradient norm is not finite; stop with a checkpoint after N in a row.
 
 A NaN/inf loss puts NaN/inf into the gradients (backprop carries it), so one check on the global
-gradient norm catches both; it is the norm the Trainer logs as `grad_norm`. The check runs after
-the Trainer clipped the gradients and before `optimizer.step()`: every rank drops its gradients
-(`grad = None`), which makes torch optimizers leave those parameters and their state untouched
-(no update, no weight decay, no Adam step). The step still counts: `global_step` and the learning-
-rate schedule advance.
+gradient norm catches both; it is non-finite exactly when the Trainer's logged `grad_norm` is (a
+gradient replicated on every rank is counted once per rank, which changes the value, never its
+finiteness). The check runs after the Trainer clipped the gradients and before `optimizer.step()`:
+every rank drops its gradients (`grad = None`), which makes torch optimizers leave those parameters
+and their state untouched (no update, no weight decay, no Adam step). The step still counts:
+`global_step` and the learning-rate schedule advance.
 """
 
 from __future__ import annotations
