@@ -98,7 +98,10 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_and_exits_for_requeue(runs):
     assert SAVE_EVERY <= runs["first_stop"] < STEPS
     assert "rank 1 got SIGTERM" in result.output and "rank 0 got" not in result.output
     # torchrun lists each worker's own exit code; both stopped cleanly with the requeue code.
-    assert result.output.count(f"exitcode  : {REQUEUE_EXIT_CODE}") == 2, result.output[-3000:]
+    # The first rank to exit 75 makes torchrun SIGTERM the other, which may not have exited yet: at least
+    # one rank reports the requeue status, and none any other failure than that SIGTERM.
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", result.output)
+    assert str(REQUEUE_EXIT_CODE) in codes and set(codes) <= {str(REQUEUE_EXIT_CODE), "-15"}, result.output[-3000:]
     assert result.returncode != 0  # a launcher never reports success for a stopped run
 
 
