@@ -43,7 +43,7 @@ from sft_recipes.lint import LintContext, lint_recipe
 from sft_recipes.lora import apply_lora, build_lora_config
 from sft_recipes.metrics import ThroughputMeter
 from sft_recipes.modeling import load_model, load_tokenizer, model_config_of, resolve_model_path
-from sft_recipes.models import check_packing_leak, prepare_for_packing
+from sft_recipes.models import check_packing_leak, freeze_vision_tower, prepare_for_packing
 from sft_recipes.plan import format_plan, load_model_config
 from sft_recipes.runs import RunSummaryCallback, protect_output_dir, recipe_identity, resolve_resume_checkpoint
 from sft_recipes.tracking import RecipeParamsCallback, configure_mlflow
@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     if data_args.pack_blocks:  # seconds on a tiny copy: refuse an architecture that would leak
         check_packing_leak(AutoConfig.from_pretrained(model_path), model_args.attn_implementation)
     model = load_model(model_args, model_path)
+    if frozen := freeze_vision_tower(model):  # text-only SFT of a VLM checkpoint: kept, exported, not trained
+        logger.info("vision tower frozen (%s parameters): text-only data never updates it", f"{frozen:,}")
     if data_args.pack_blocks:
         prepare_for_packing(model)
     wrap_classes = pin_fsdp_wrap_classes(model, training_args.fsdp_wrap_classes)  # from the model, not guesses

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -18,12 +19,13 @@ from sft_recipes.tiny import ensure_tiny
 pytestmark = pytest.mark.fsdp
 
 RECIPE = REPO_ROOT / "recipes" / "tiny" / "qwen27b.yaml"
+SAVE_EVERY = 20
 
 
 @pytest.fixture(scope="module")
 def packed_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("qwen") / "run"
-    result = launch_sft(RECIPE, "--output_dir", str(out), "--report_to", "none")
+    result = launch_sft(RECIPE, "--output_dir", str(out), "--report_to", "none", "--save_steps", str(SAVE_EVERY))
     return out, result
 
 
@@ -73,3 +75,18 @@ def _count_real_blocks(stream) -> int:
             return count
         count += 1
     raise AssertionError("a block stream never ends on its own")
+
+
+def test_resume_of_the_packed_stream_is_exact(packed_run, tmp_path):
+    """Model, optimizer and the position in the streamed, packed data all come back."""
+    out, _ = packed_run
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(out / f"checkpoint-{SAVE_EVERY}", resumed / f"checkpoint-{SAVE_EVERY}")
+    launch_sft(RECIPE, "--output_dir", str(resumed), "--report_to", "none", "--save_steps", str(SAVE_EVERY))
+    full, again = read_summary(out), read_summary(resumed)
+    assert again["resumed_from"].endswith(f"checkpoint-{SAVE_EVERY}") and again["steps"] == full["steps"]
+    later = {step: loss for step, loss in full["losses"].items() if int(step) > SAVE_EVERY}
+    assert later and list(again["losses"]) == list(later)
+    for step, loss in later.items():
+        assert again["losses"][step] == pytest.approx(loss, abs=1e-4), step

@@ -98,6 +98,20 @@ def hybrid_model_without_reference_kernels(recipe: Recipe, ctx: LintContext) -> 
     return None
 
 
+def wrap_class_absent_from_model(recipe: Recipe, ctx: LintContext) -> str | None:
+    wanted = recipe.training.fsdp_wrap_classes
+    if not wanted or ctx.model_config is None:
+        return None
+    from sft_recipes.fsdp_wrap import resolve_fsdp_wrap_classes
+    from sft_recipes.plan import build_meta_model
+
+    try:  # the meta model has the real module tree, at no memory cost
+        resolve_fsdp_wrap_classes(build_meta_model(ctx.model_config), wanted)
+    except ValueError as err:
+        return str(err).rstrip(".")
+    return None
+
+
 def cpu_offload_without_accelerator(recipe: Recipe, ctx: LintContext) -> str | None:
     if _env_flag("FSDP_OFFLOAD_PARAMS") and not ctx.has_accelerator:
         return "fsdp_offload_params needs an accelerator to offload from; set fsdp_offload_params: false on CPU"
@@ -130,6 +144,7 @@ RULES = (
     block_packing_needs_chat_data,
     packing_architecture_needs_our_fixes,
     hybrid_model_without_reference_kernels,
+    wrap_class_absent_from_model,
     cpu_offload_without_accelerator,
     bf16_without_hardware_support,
     batch_the_world_cannot_produce,

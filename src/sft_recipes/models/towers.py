@@ -1,0 +1,24 @@
+"""Text-only fine-tuning of a vision-language checkpoint: the vision tower is kept, not trained.
+
+Text-only batches give the vision tower no gradients, so AdamW never updates it; but an optimizer
+that holds its parameters breaks resume (torch.distributed.checkpoint initialises state for every
+parameter of the fresh optimizer and then finds none saved for the tower), and its fp32 state
+costs memory for nothing. Freezing it trains exactly the same model; the export keeps it unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# model_type -> the vision tower's module path in the checkpoint's own class.
+VISION_TOWERS = {"qwen3_5": "model.visual"}
+
+
+def freeze_vision_tower(model: torch.nn.Module) -> int:
+    """Freeze the vision tower of a VLM checkpoint (in place); return how many parameters it has."""
+    path = VISION_TOWERS.get(model.config.model_type)
+    if path is None:
+        return 0
+    tower = model.get_submodule(path)
+    tower.requires_grad_(False)
+    return sum(parameter.numel() for parameter in tower.parameters())
