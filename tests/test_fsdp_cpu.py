@@ -131,3 +131,17 @@ def test_hf_token_never_leaks(runs):
         if path.is_file() and FAKE_TOKEN.encode() in path.read_bytes():
             leaks.append(str(path))
     assert leaks == []
+
+
+def test_plain_torchrun_with_fsdp_in_the_recipe(runs, tmp_path):
+    """No accelerate launcher: torchrun + the recipe's own `fsdp`/`fsdp_config` give the same FSDP2 run."""
+    cmd = [bin_path("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "scripts/sft.py",
+           str(TINY_LLAMA_RECIPE), "--max_steps", "3", "--output_dir", str(tmp_path / "torchrun"), "--report_to", "none",
+           "--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}']
+    result = run_command(cmd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(tmp_path / "torchrun")
+    assert summary["distributed"] == "FSDP2 over 2 process(es) on cpu"
+    full = read_summary(runs["root"] / "full")["losses"]
+    for step, loss in summary["losses"].items():
+        assert loss == pytest.approx(full[step], abs=1e-4), step

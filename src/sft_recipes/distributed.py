@@ -20,8 +20,12 @@ def fsdp_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
-def requested_fsdp_version() -> int:
-    return int(os.environ.get("FSDP_VERSION", "1"))
+def requested_fsdp_version(training_args=None) -> int:
+    """The FSDP version the accelerate config (FSDP_VERSION) or the recipe's `fsdp_config` (torchrun) asks for."""
+    if "FSDP_VERSION" in os.environ:
+        return int(os.environ["FSDP_VERSION"])
+    fsdp_config = getattr(training_args, "fsdp_config", None) or {}
+    return int(fsdp_config.get("version", fsdp_config.get("fsdp_version", 1)))
 
 
 def launched_world_size() -> int:
@@ -75,15 +79,18 @@ def verify_distributed(trainer) -> str:
             problems.append(
                 f"the accelerate config asks for FSDP but the trainer runs {accelerator.distributed_type.value}"
             )
-        elif version != requested_fsdp_version() or version != 2:
-            problems.append(f"the config asks for FSDP{requested_fsdp_version()} but the trainer runs FSDP{version}")
+        elif version != 2 or requested_fsdp_version(trainer.args) != 2:
+            problems.append(
+                f"the config asks for FSDP{requested_fsdp_version(trainer.args)} and the trainer runs FSDP{version}; "
+                "these recipes need FSDP2 (fsdp_version: 2)"
+            )
     if problems:
         raise RuntimeError(
             "Refusing to train: " + "; ".join(problems) + ". Launch with `accelerate launch --config_file "
             "accelerate_configs/<config>.yaml scripts/sft.py RECIPE` (on CPU, scripts/sft.py enables FSDP "
             "through sft_recipes.distributed.enable_cpu_fsdp), and check num_processes/num_machines there."
         )
-    kind = f"FSDP{requested_fsdp_version()}" if fsdp_requested() else accelerator.distributed_type.value
+    kind = f"FSDP{requested_fsdp_version(trainer.args)}" if fsdp_requested() else accelerator.distributed_type.value
     return f"{kind} over {accelerator.num_processes} process(es) on {accelerator.device.type}"
 
 
