@@ -22,8 +22,13 @@ def resolve_model_path(model_name_or_path: str) -> str:
 
 
 def model_config_of(model_args):
-    """The recipe model's config.json (a small download for Hub models; a tiny build for `tiny:`)."""
-    return AutoConfig.from_pretrained(resolve_model_path(model_args.model_name_or_path), revision=model_args.model_revision)
+    """The recipe model's config.json: downloaded alone for a Hub id, never a weight; for `tiny:`,
+    the stand-in's config without building it (every rank calls this before rank 0 builds it)."""
+    if model_args.model_name_or_path.startswith(TINY_SCHEME):
+        from sft_recipes.tiny import tiny_config
+
+        return tiny_config(model_args.model_name_or_path[len(TINY_SCHEME) :])
+    return AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
 
 
 def load_tokenizer(model_args, model_path: str | None = None) -> PreTrainedTokenizerBase:
