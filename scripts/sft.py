@@ -33,10 +33,7 @@ from sft_recipes.dry_run import export_launch_environment, plan_recipe, planned_
 from sft_recipes.distributed import enable_cpu_fsdp, launched_world_size, set_fsdp_reduce_dtype, verify_distributed
 from sft_recipes.fault import fault_tolerance_callbacks
 from sft_recipes.fault.collective_timeout import bound_collective_waits
-from sft_recipes.export import (
-    AdapterCheckpointCallback,
-    export_adapter, export_consolidated, first_input_ids, verify_adapter_export, verify_export,
-)
+from sft_recipes.export import AdapterCheckpointCallback, export_run
 from sft_recipes.fsdp_wrap import guard_lora_fsdp_layout, pin_fsdp_wrap_classes
 from sft_recipes.batching import derive_gradient_accumulation
 from sft_recipes.lint import LintContext, lint_recipe
@@ -156,17 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     train_seconds = time.perf_counter() - start
 
     # ── Save ──────────────────────────────────────────────────────────────────────────────────
-    if model_args.use_peft:
-        output_dir = export_adapter(trainer, training_args.output_dir)
-    else:
-        output_dir = export_consolidated(trainer, training_args.output_dir, model_args.export_dtype)
-    logit_diff = None
-    if model_args.verify_export:
-        probe_ids = first_input_ids(trainer.training_data)[:64]
-        if model_args.use_peft:
-            logit_diff = verify_adapter_export(trainer, output_dir, lambda: load_model(model_args, model_path), probe_ids)
-        else:
-            logit_diff = verify_export(trainer, output_dir, probe_ids)
+    output_dir, logit_diff = export_run(trainer, model_args, training_args.output_dir,
+                                        load_base=lambda: load_model(model_args, model_path))
     if is_main:
         report = summary.finish(train_seconds, output_dir, tracking_uri, logit_diff, resume_from, layout)
         Path(output_dir, "run_summary.json").write_text(json.dumps(report, indent=2))

@@ -156,3 +156,19 @@ class AdapterCheckpointCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         export_adapter(self.trainer, Path(args.output_dir) / f"checkpoint-{state.global_step}" / "adapter")
+
+
+def export_run(trainer, model_args, output_dir: str | Path, load_base: Callable[[], torch.nn.Module]
+               ) -> tuple[Path, float | None]:
+    """The run's final artefact -- a PEFT adapter or a consolidated checkpoint -- and, unless the recipe
+    turned `verify_export` off, the max |logit difference| of its reload against the trained model."""
+    if model_args.use_peft:
+        output_dir = export_adapter(trainer, output_dir)
+    else:
+        output_dir = export_consolidated(trainer, output_dir, model_args.export_dtype)
+    if not model_args.verify_export:
+        return output_dir, None
+    probe_ids = first_input_ids(trainer.training_data)[:64]
+    if model_args.use_peft:
+        return output_dir, verify_adapter_export(trainer, output_dir, load_base, probe_ids)
+    return output_dir, verify_export(trainer, output_dir, probe_ids)
