@@ -7,7 +7,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 CPU_CONFIG := accelerate_configs/fsdp2_cpu.yaml
 DEMO_DIR := outputs/demo
 
-.PHONY: help setup demo test test-fast llama-multinode qwen27b gptoss120b clean
+.PHONY: help setup demo test test-fast llama-multinode qwen27b gptoss120b clean bench
 
 help:
 	@echo "make demo             tiny Llama twin, 2-process FSDP2 on CPU, MLflow, export + reload"
@@ -54,3 +54,12 @@ gptoss120b: setup
 
 clean:
 	rm -rf outputs .cache/tiny
+
+# CPU benchmarks (benchmarks/README.md): ~10 minutes on 2 cores; reports land in outputs/bench/.
+BENCH_DIR := outputs/bench
+bench: setup
+	@mkdir -p $(BENCH_DIR)
+	@for script in data_prep packing_efficiency train_throughput_cpu; do \
+		$(PY) benchmarks/$$script.py > $(BENCH_DIR)/$$script.md || exit 1; \
+		cat $(BENCH_DIR)/$$script.md; \
+	done
