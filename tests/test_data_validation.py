@@ -161,3 +161,14 @@ def test_length_policy_measures_conversations_as_the_masking_renders_them(tokeni
                                SimpleNamespace(max_length=max_length, completion_only_loss=None), tokenizer, report)
     assert report.drops == ["overlong"] * sum(length > max_length for length in lengths)
     assert len(kept) == sum(length <= max_length for length in lengths)
+
+
+def test_a_streamed_local_jsonl_skips_bad_lines_instead_of_failing(tmp_path):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    no_reply = {"messages": [{"role": "user", "content": "anyone?"}]}
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join([json.dumps(good), "{not json", json.dumps(no_reply), json.dumps(good)]) + "\n")
+    args = data_args(path, dataset_format="messages")
+    args.dataset_streaming = True
+    dataset, report = load_checked_dataset(args)
+    assert report.streamed and [row["messages"] for row in dataset] == [good["messages"], good["messages"]]

@@ -174,7 +174,27 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str]]:
 
 def _local_jsonl(data_args) -> Path | None:
     path = Path(data_args.dataset_name or "")
-    return path if path.suffix == ".jsonl" and path.is_file() and not data_args.dataset_streaming else None
+    return path if path.suffix == ".jsonl" and path.is_file() else None
+
+
+def _valid_jsonl_rows(path: str, dataset_format: str) -> Iterator[dict[str, Any]]:
+    """The rows of a local .jsonl that a streamed run can train on; bad lines are skipped, not fatal."""
+    required, optional = REQUIRED_COLUMNS[dataset_format]
+    for _, row, _ in read_jsonl(Path(path)):
+        if row is not None and row_problem(row, dataset_format) is None:
+            yield {column: row.get(column) for column in sorted(required | optional)}
+
+
+def _streamed_jsonl(path: Path, data_args) -> tuple[IterableDataset, DataReport]:
+    # `datasets`' json builder fails the whole stream on one bad line; read it line by line instead.
+    dataset = IterableDataset.from_generator(
+        _valid_jsonl_rows, gen_kwargs={"path": str(path), "dataset_format": data_args.dataset_format}
+    )
+    if data_args.max_train_samples is not None:
+        dataset = dataset.take(data_args.max_train_samples)
+    report = DataReport(source=str(path))
+    report.streamed = True
+    return dataset, report
 
 
 def _checked_jsonl(path: Path, data_args) -> tuple[Dataset, DataReport]:
@@ -209,7 +229,7 @@ def load_checked_dataset(data_args) -> tuple[Dataset | IterableDataset, DataRepo
     """
     local = _local_jsonl(data_args)
     if local is not None:
-        return _checked_jsonl(local, data_args)
+        return _streamed_jsonl(local, data_args) if data_args.dataset_streaming else _checked_jsonl(local, data_args)
     dataset = load_raw_dataset(data_args)
     check_columns(dataset.column_names, data_args.dataset_format, data_args.dataset_name)
     fmt = data_args.dataset_format
