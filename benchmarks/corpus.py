@@ -27,6 +27,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
+from sft_recipes.tiny import strings_in
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO_ROOT / ".cache" / "bench"
 REALWORLD_DIR = REPO_ROOT.parent / "shared" / "realworld"
@@ -103,7 +105,7 @@ class EnglishLike:
         counts: Counter[str] = Counter()
         for path in [*ALPACA_FILES, *sorted(SAMPLES_DIR.glob("*.jsonl"))]:
             for row in read_jsonl(path):
-                for text in _strings(row):
+                for text in strings_in(row):
                     counts.update(word.lower() for word in _WORD.findall(text))
         base = [word for word, _ in counts.most_common()]
         stems = [word for word in base if len(word) >= 4]
@@ -257,17 +259,6 @@ def _train_standin(family: str, training_conversations: int, vocab_size: int):
         tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", add_bos_token=True,
         model_max_length=131072,
     )
-
-
-def _strings(value: Any) -> Iterator[str]:
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _strings(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _strings(item)
 
 
 def _source_key() -> str:

@@ -94,13 +94,6 @@ def verify_distributed(trainer) -> str:
     return f"{kind} over {accelerator.num_processes} process(es) on {accelerator.device.type}"
 
 
-def assert_model_is_fsdp2(model: torch.nn.Module) -> None:
-    """Internal invariant after `accelerator.prepare`: the root module is an FSDP2 module."""
-    from torch.distributed.fsdp import FSDPModule
-
-    assert isinstance(model, FSDPModule), f"expected an FSDP2-wrapped model, got {type(model).__name__}"
-
-
 def set_fsdp_reduce_dtype(trainer, dtype_name: str) -> None:
     """Reduce gradients in `dtype_name` under FSDP2 mixed precision (accelerate configs can't say it).
 

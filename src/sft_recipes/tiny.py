@@ -272,18 +272,19 @@ def sample_texts() -> Iterator[str]:
     """Every string in the sample datasets, in file and row order (the tokenizer's corpus)."""
     for path in sample_files():
         for line in path.read_text(encoding="utf-8").splitlines():
-            yield from _strings(json.loads(line))
+            yield from strings_in(json.loads(line))
 
 
-def _strings(value: Any) -> Iterator[str]:
+def strings_in(value: Any) -> Iterator[str]:
+    """Every string inside a JSON value (dict values and list items, recursively), in order."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _strings(item)
+            yield from strings_in(item)
     elif isinstance(value, list):
         for item in value:
-            yield from _strings(item)
+            yield from strings_in(item)
 
 
 def build_tokenizer(
