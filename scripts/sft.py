@@ -30,7 +30,9 @@ from sft_recipes.data.formats import CHAT_FORMATS, check_columns
 from sft_recipes.data.validation import DataReportCallback, apply_length_policy, load_checked_dataset
 from sft_recipes.data.prepare import prepare_train_dataset
 from sft_recipes.dry_run import export_launch_environment, plan_recipe, planned_world_size, read_accelerate_config
-from sft_recipes.distributed import enable_cpu_fsdp, launched_world_size, set_fsdp_reduce_dtype, verify_distributed
+from sft_recipes.distributed import (
+    enable_cpu_fsdp, launched_world_size, process_group_destroyed_on_exit, set_fsdp_reduce_dtype, verify_distributed,
+)
 from sft_recipes.fault import fault_tolerance_callbacks
 from sft_recipes.fault.collective_timeout import bound_collective_waits
 from sft_recipes.export import AdapterCheckpointCallback, export_run
@@ -184,4 +186,6 @@ def dry_run(cli: argparse.Namespace, overrides: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with process_group_destroyed_on_exit():
+        exit_code = main()
+    sys.exit(exit_code)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 from accelerate.state import AcceleratorState
 
-from sft_recipes.distributed import verify_distributed
+from sft_recipes.distributed import process_group_destroyed_on_exit, verify_distributed
 from sft_recipes.config import ModelArguments
 from sft_recipes.modeling import load_model
 from sft_recipes.tiny import ensure_tiny
+
+from conftest import free_port
 
 
 @pytest.fixture
@@ -47,3 +50,15 @@ def test_process_training_alone_is_refused(make_trainer, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 processes but the trainer sees num_processes=1"):
         verify_distributed(make_trainer(use_cpu=False))
+
+
+@pytest.mark.parametrize("exit_code", [0, 75])
+def test_process_group_is_destroyed_however_the_script_exits(exit_code):
+    # Left to interpreter shutdown, gloo can abort a finished rank with SIGABRT (pytorch PR #179291).
+    with pytest.raises(SystemExit) as exited:
+        with process_group_destroyed_on_exit():
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+            dist.barrier()
+            raise SystemExit(exit_code)
+    assert exited.value.code == exit_code
+    assert not dist.is_initialized()

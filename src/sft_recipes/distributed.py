@@ -8,6 +8,7 @@ becomes DDP over gloo (``use_cpu``) or N independent single-process runs, and st
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -31,6 +32,22 @@ def requested_fsdp_version(training_args=None) -> int:
 def launched_world_size() -> int:
     """World size the launcher (torchrun / accelerate launch / srun) started, 1 without one."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@contextlib.contextmanager
+def process_group_destroyed_on_exit():
+    """Destroy the default process group (and its subgroups) when the block exits, however it exits.
+
+    A process that leaves it to interpreter shutdown can die with SIGABRT after a clean run: gloo's
+    worker threads still hold work objects whose tensors need the GIL while the interpreter is
+    being torn down (pytorch PR #179291, abandoned). Seen here as a rank exiting -6 after its
+    export, which turned a finished run -- or a preemption's exit 75 -- into a failure.
+    """
+    try:
+        yield
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def enable_cpu_fsdp() -> None:
