@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
-from datasets import Dataset
+from datasets import Dataset, load_dataset
+from torch.utils.data import DataLoader
 
-from sft_recipes.data.blocks import RankLocalBlockStream, StopWhenAnyRankExhausted, collate_blocks, pack_blocks
+from sft_recipes.data.blocks import (
+    RankLocalBlockStream, StopWhenAnyRankExhausted, StreamStats, collate_blocks, pack_blocks,
+)
 from sft_recipes.data.packing import BlockDiagonalCollator
 from sft_recipes.tiny import build_tokenizer
 
@@ -60,11 +64,18 @@ def tokenizer():
 
 
 def drain(stream):
-    blocks = []
+    """The real blocks of a stream, the first exhausted block, and the stats they carried."""
+    blocks, stats = [], StreamStats()
     for block in stream:
+        stats.add(block.get("stream_stats", StreamStats()))
         if block["stream_exhausted"]:
-            return blocks, block
+            return blocks, block, stats
         blocks.append(block)
+
+
+def questions_in(tokenizer, input_ids) -> list[int]:
+    text = tokenizer.decode(input_ids)
+    return [int(number) for number in re.findall(r"question (\d+)<", text)]
 
 
 def test_rank_shards_are_disjoint_and_cover_the_data(tokenizer):
@@ -72,29 +83,54 @@ def test_rank_shards_are_disjoint_and_cover_the_data(tokenizer):
     seen = []
     for rank in range(2):
         stream = RankLocalBlockStream(data, tokenizer, max_length=64, rank=rank, world_size=2)
-        blocks, exhausted = drain(stream)
-        text = tokenizer.decode([t for b in blocks for t in b["input_ids"]])
-        seen.append({i for i in range(9) if f"question {i}<" in text})
-        assert stream.stats.conversations == len(seen[-1])
+        blocks, exhausted, stats = drain(stream)
+        seen.append(questions_in(tokenizer, [t for b in blocks for t in b["input_ids"]]))
+        assert stats.conversations == len(seen[-1])
         assert exhausted["labels"] == [-100] * 64 and exhausted["input_ids"] == [tokenizer.pad_token_id] * 64
-    assert seen[0].isdisjoint(seen[1]) and seen[0] | seen[1] == set(range(9))
+    assert set(seen[0]).isdisjoint(seen[1]) and sorted(seen[0] + seen[1]) == list(range(9))
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["map-style", "streamed-jsonl"])
+def test_each_rank_and_dataloader_worker_reads_its_own_shard(tokenizer, tmp_path, streamed):
+    rows = conversations(23)
+    if streamed:  # one file: one datasets shard, so the readers split it conversation by conversation
+        path = tmp_path / "rows.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        data = load_dataset("json", data_files=str(path), split="train", streaming=True)
+    else:
+        data = Dataset.from_list(rows)
+    collate = collate_blocks(BlockDiagonalCollator(max_length=64, pad_token_id=tokenizer.pad_token_id))
+    read, counted = [], 0
+    for rank in range(2):
+        stream = RankLocalBlockStream(data, tokenizer, max_length=64, rank=rank, world_size=2, split_examples=False)
+        exhausted_in_a_row = 0
+        # The two workers' batches alternate; once both yield exhausted blocks, the rank's data is through.
+        for batch in DataLoader(stream, batch_size=1, num_workers=2, collate_fn=collate):
+            counted += batch["stream_stats"].conversations
+            exhausted_in_a_row = exhausted_in_a_row + 1 if batch["stream_exhausted"].item() else 0
+            if exhausted_in_a_row == 2:
+                break
+            read += questions_in(tokenizer, batch["input_ids"][0].tolist())
+    # Had every worker read its rank's whole shard, each conversation would come twice.
+    assert sorted(read) == list(range(23))
+    assert counted == 23
 
 
 def test_stream_supervises_only_assistant_tokens_and_counts_efficiency(tokenizer):
     stream = RankLocalBlockStream(Dataset.from_list(conversations(4)), tokenizer, max_length=32, rank=0, world_size=1)
-    blocks, _ = drain(stream)
+    blocks, _, stats = drain(stream)
     supervised = tokenizer.decode([t for b in blocks for t, l in zip(b["input_ids"], b["labels"]) if l != -100])
     assert "answer number 0" in supervised and "question" not in supervised and "user" not in supervised
-    stats = stream.stats
-    assert stats.real_tokens == sum(len(b["input_ids"]) for b in blocks)
+    assert stats.blocks == len(blocks) and stats.real_tokens == sum(len(b["input_ids"]) for b in blocks)
     assert stats.token_slots == 32 * len(blocks) and 0.5 < stats.packing_efficiency <= 1.0
+    assert stats.supervised_tokens == sum(l != -100 for b in blocks for l in b["labels"])
 
 
 def test_conversations_without_assistant_turn_are_counted_and_dropped(tokenizer):
     rows = conversations(2) + [{"messages": [{"role": "user", "content": "hello?"}]}]
     stream = RankLocalBlockStream(Dataset.from_list(rows), tokenizer, max_length=64, rank=0, world_size=1)
-    drain(stream)
-    assert stream.stats.dropped == {"no_assistant_turn": 1} and stream.stats.conversations == 3
+    _, _, stats = drain(stream)
+    assert stats.dropped == {"no_assistant_turn": 1} and stats.conversations == 3
 
 
 def test_stop_flag_without_process_group():

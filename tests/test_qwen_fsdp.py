@@ -7,11 +7,14 @@ import shutil
 
 import pytest
 import torch
+import yaml
 from datasets import load_dataset
+from torch.utils.data import DataLoader
 from safetensors import safe_open
 
 from conftest import REPO_ROOT, launch_sft, read_summary, write_uneven_shards
-from sft_recipes.data.blocks import RankLocalBlockStream
+from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
+from sft_recipes.data.packing import BlockDiagonalCollator
 from sft_recipes.modeling import load_tokenizer
 from sft_recipes.config import ModelArguments
 from sft_recipes.tiny import ensure_tiny
@@ -54,27 +57,30 @@ def test_export_keeps_the_vision_tower_and_the_class(packed_run):
 
 
 def test_uneven_shards_stop_on_the_same_step(tmp_path):
-    data = write_uneven_shards(tmp_path / "uneven.jsonl", rows=24)
+    # 2 ranks x the recipe's dataloader workers, each reader with its own shard of one streamed file.
+    workers = yaml.safe_load(RECIPE.read_text())["dataloader_num_workers"]
+    assert workers > 1, "the tiny twin must exercise dataloader workers, like the real recipe"
+    data = write_uneven_shards(tmp_path / "uneven.jsonl", rows=48, readers_per_rank=workers)
     tokenizer = load_tokenizer(ModelArguments(model_name_or_path=ensure_tiny("qwen3_5")))
     raw = load_dataset("json", data_files=str(data), split="train", streaming=True)
-    blocks_per_rank = []
+    first_exhausted = []
     for rank in (0, 1):
         stream = RankLocalBlockStream(raw, tokenizer, max_length=256, rank=rank, world_size=2)
-        blocks_per_rank.append(_count_real_blocks(stream))
-    assert blocks_per_rank[0] > blocks_per_rank[1] + 2, blocks_per_rank  # deliberately uneven
+        first_exhausted.append(_first_exhausted_batch(stream, workers, tokenizer.pad_token_id))
+    assert first_exhausted[0] > first_exhausted[1] + 2, first_exhausted  # deliberately uneven
     out = tmp_path / "run"
     launch_sft(RECIPE, "--dataset_name", str(data), "--output_dir", str(out), "--report_to", "none")
-    # Rank 1 runs out first: every rank stops right after the step in which it noticed, no hang.
-    assert read_summary(out)["steps"] == blocks_per_rank[1] + 1
+    # Rank 1 runs out first: every rank stops right after the step in which it noticed, no hang
+    # (one block per step in the twin).
+    assert read_summary(out)["steps"] == first_exhausted[1] + 1
 
 
-def _count_real_blocks(stream) -> int:
-    count = 0
-    for block in stream:
-        if block["stream_exhausted"]:
-            return count
-        count += 1
-    raise AssertionError("a block stream never ends on its own")
+def _first_exhausted_batch(stream, workers: int, pad_token_id: int) -> int:
+    collate = collate_blocks(BlockDiagonalCollator(max_length=256, pad_token_id=pad_token_id))
+    for index, batch in enumerate(DataLoader(stream, batch_size=1, num_workers=workers, collate_fn=collate)):
+        if batch["stream_exhausted"].item():
+            return index
+        assert index < 1000, "a block stream never ends on its own"
 
 
 def test_resume_of_the_packed_stream_is_exact(packed_run, tmp_path):

@@ -62,8 +62,6 @@ def trl_packing_with_block_packing(recipe: Recipe, ctx: LintContext) -> str | No
 def block_packing_needs_chat_data(recipe: Recipe, ctx: LintContext) -> str | None:
     if recipe.data.pack_blocks and recipe.data.dataset_format not in CHAT_FORMATS:
         return f"pack_blocks needs a chat dataset_format, one of {CHAT_FORMATS} (got {recipe.data.dataset_format!r})"
-    if recipe.data.pack_blocks and recipe.training.dataloader_num_workers:
-        return "pack_blocks streams in the main process: set dataloader_num_workers: 0"
     return None
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 import datasets
 from torch.utils.data import DataLoader
 from trl import SFTTrainer
 
-from sft_recipes.data.blocks import RankLocalBlockStream, StopWhenAnyRankExhausted
+from sft_recipes.data.blocks import RankLocalBlockStream, StopWhenAnyRankExhausted, StreamStats
 from sft_recipes.fault.uneven_shards import EndOfDataTogetherMixin
 from sft_recipes.metrics import ThroughputMeter
+
+logger = logging.getLogger(__name__)
 
 
 class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
@@ -25,6 +29,7 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
         self.throughput = throughput
         self.block_stream = train_dataset if isinstance(train_dataset, RankLocalBlockStream) else None
         self.exhaustion = None
+        self.stream_stats = StreamStats()  # what this rank trained on from the block stream
         if self.block_stream is not None:
             training_args = kwargs["args"]
             training_args.dataset_kwargs = {**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True}
@@ -42,11 +47,14 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
     def get_train_dataloader(self) -> DataLoader:
         if self.block_stream is None:
             return super().get_train_dataloader()
+        workers = self.args.dataloader_num_workers
         return DataLoader(
             self.block_stream,
             batch_size=self._train_batch_size,
             collate_fn=self.data_collator,
-            num_workers=0,
+            num_workers=workers,  # each worker reads and tokenizes its own shard of this rank's
+            prefetch_factor=self.args.dataloader_prefetch_factor if workers else None,
+            persistent_workers=self.args.dataloader_persistent_workers if workers else False,
             pin_memory=self.args.dataloader_pin_memory,
         )
 
@@ -55,16 +63,21 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
             if self.throughput is not None:
                 logs.update(self.throughput.report())
             if self.block_stream is not None:  # this rank's running share of real tokens in its blocks
-                logs["packing_efficiency"] = round(self.block_stream.stats.packing_efficiency, 4)
+                logs["packing_efficiency"] = round(self.stream_stats.packing_efficiency, 4)
         super().log(logs, start_time)
 
     def train(self, *args, **kwargs):
         if self.throughput is not None:
             self.throughput.restart()  # model loading and preparation are not training time
-        return super().train(*args, **kwargs)
+        result = super().train(*args, **kwargs)
+        if self.block_stream is not None:  # each rank trained on its own shard
+            logger.info("[data] rank %d trained on %s", self.args.process_index, self.stream_stats.describe())
+        return result
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         exhausted = inputs.pop("stream_exhausted", None)
+        if "stream_stats" in inputs:
+            self.stream_stats.add(inputs.pop("stream_stats"))
         if self.throughput is not None:
             self.throughput.observe(inputs)
         if exhausted is not None and bool(exhausted):

@@ -1,12 +1,13 @@
 """Conversations -> fixed-size packed blocks, streamed per rank, with a shared stopping point.
 
 Every optimizer step sees the same token budget: each item is one block of exactly `max_length`
-slots (the reference recipe's 32768-token block), built end to end from this rank's own shard of
-the data and tokenized only there (no rank tokenizes the whole dataset). The per-token boundary
-signals are added later by `BlockDiagonalCollator` from each block's `seq_lengths`.
+slots (the reference recipe's 32768-token block), built end to end from one reader's own shard of
+the data and tokenized only there (no rank tokenizes the whole dataset); a reader is one
+(rank, dataloader worker) pair. The per-token boundary signals are added later by
+`BlockDiagonalCollator` from each block's `seq_lengths`.
 
-Ranks run out of data at different times. A rank that has run out keeps yielding fully masked
-blocks flagged `stream_exhausted`, so it never leaves a collective early;
+Readers run out of data at different times. One that has run out keeps yielding fully masked
+blocks flagged `stream_exhausted`, so its rank never leaves a collective early;
 `StopWhenAnyRankExhausted` all-reduces the flag at every optimizer step and stops every rank on
 the same step (as the reference recipe does with its `ran_out` all-reduce).
 """
@@ -65,7 +66,7 @@ def pack_blocks(examples: Iterable[dict[str, list[int]]], max_length: int, split
 
 @dataclass
 class StreamStats:
-    """Per-rank counters, exposed to the callbacks (main process only: num_workers=0)."""
+    """Counts of one stretch of a block stream; they add up, so workers' counts can travel with their blocks."""
 
     conversations: int = 0
     blocks: int = 0
@@ -74,16 +75,35 @@ class StreamStats:
     supervised_tokens: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
 
+    def add(self, other: StreamStats) -> StreamStats:
+        self.conversations += other.conversations
+        self.blocks += other.blocks
+        self.real_tokens += other.real_tokens
+        self.token_slots += other.token_slots
+        self.supervised_tokens += other.supervised_tokens
+        for reason, count in other.dropped.items():
+            self.dropped[reason] = self.dropped.get(reason, 0) + count
+        return self
+
     @property
     def packing_efficiency(self) -> float:
         return self.real_tokens / self.token_slots if self.token_slots else 0.0
+
+    def describe(self) -> str:
+        dropped = ", ".join(f"{count} {reason}" for reason, count in sorted(self.dropped.items())) or "none"
+        return (f"{self.conversations:,} conversations read (dropped: {dropped}), {self.blocks:,} blocks, "
+                f"packing efficiency {self.packing_efficiency:.2%}, {self.supervised_tokens:,} supervised tokens")
 
 
 class RankLocalBlockStream(TorchIterableDataset):
     """This rank's shard of a conversation dataset as an endless stream of packed blocks.
 
-    Shards by (rank, dataloader worker) so that no conversation is read twice; after the shard
-    ends it yields `exhausted_block()` forever (see the module docstring).
+    Each (rank, dataloader worker) pair is one reader of `world_size x num_workers`, with its own
+    disjoint shard: whole files when the dataset's shard count divides evenly, else every n-th
+    conversation. Only that reader tokenizes its conversations. After the shard ends it yields
+    `exhausted_block()` forever (see the module docstring). Every block carries the `StreamStats`
+    of what its reader consumed since its previous block (`stream_stats`), so the counts reach the
+    training process from worker processes too.
     """
 
     def __init__(self, dataset: Dataset | IterableDataset, tokenizer, max_length: int, rank: int, world_size: int,
@@ -91,59 +111,64 @@ class RankLocalBlockStream(TorchIterableDataset):
                  messages_field: str = "messages"):
         if isinstance(dataset, Dataset):
             dataset = dataset.to_iterable_dataset(num_shards=max(1, min(len(dataset), 64)))
-        self.shard = split_dataset_by_node(dataset, rank=rank, world_size=world_size)
+        self.dataset = dataset
+        self.rank = rank
+        self.world_size = world_size
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.split_examples = split_examples
         self.template_kwargs = template_kwargs or {}
         self.messages_field = messages_field
         self.pad_token_id = tokenizer.pad_token_id
-        self.stats = StreamStats()
 
-    def _tokenized(self) -> Iterator[dict[str, list[int]]]:
-        batch: list = []
-        for row in self.shard:
-            batch.append(row[self.messages_field])
-            if len(batch) == TOKENIZE_BATCH:
-                yield from self._tokenize(batch)
-                batch = []
-        if batch:
-            yield from self._tokenize(batch)
+    def reader_shard(self) -> IterableDataset:
+        """The conversations of this (rank, dataloader worker) reader."""
+        worker = get_worker_info()
+        index, count = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        return split_dataset_by_node(self.dataset, rank=self.rank * count + index, world_size=self.world_size * count)
 
-    def _tokenize(self, conversations: list) -> Iterator[dict[str, list[int]]]:
-        columns = tokenize_conversations(self.tokenizer, conversations, None, **self.template_kwargs)
-        for ids, mask, reason in zip(columns["input_ids"], columns["assistant_masks"], columns["drop_reason"]):
-            self.stats.conversations += 1
-            if reason != KEPT:
-                self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
-                continue
-            labels = [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask)]
-            yield {"input_ids": ids, "labels": labels}
+    def _tokenized(self, pending: StreamStats) -> Iterator[dict[str, list[int]]]:
+        # `.iter()` (unlike `__iter__`) does not split the shard again among dataloader workers.
+        for batch in self.reader_shard().iter(batch_size=TOKENIZE_BATCH):
+            columns = tokenize_conversations(self.tokenizer, batch[self.messages_field], None, **self.template_kwargs)
+            for ids, mask, reason in zip(columns["input_ids"], columns["assistant_masks"], columns["drop_reason"]):
+                pending.conversations += 1
+                if reason != KEPT:
+                    pending.dropped[reason] = pending.dropped.get(reason, 0) + 1
+                    continue
+                labels = [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask)]
+                yield {"input_ids": ids, "labels": labels}
 
     def exhausted_block(self) -> dict[str, Any]:
         return {"input_ids": [self.pad_token_id] * self.max_length, "labels": [IGNORE_INDEX] * self.max_length,
                 "seq_lengths": [self.max_length], "stream_exhausted": 1}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        if get_worker_info() is not None:
-            raise ValueError("RankLocalBlockStream counts its stream in the main process: use dataloader_num_workers: 0.")
-        for block in pack_blocks(self._tokenized(), self.max_length, self.split_examples):
-            self.stats.blocks += 1
-            self.stats.real_tokens += len(block["input_ids"])
-            self.stats.token_slots += self.max_length
-            self.stats.supervised_tokens += sum(label != IGNORE_INDEX for label in block["labels"])
-            yield {**block, "stream_exhausted": 0}
+        consumed = StreamStats()  # conversations read by the tokenizing generator, not yet reported
+        for block in pack_blocks(self._tokenized(consumed), self.max_length, self.split_examples):
+            stats = StreamStats(consumed.conversations, 1, len(block["input_ids"]), self.max_length,
+                                sum(label != IGNORE_INDEX for label in block["labels"]), dict(consumed.dropped))
+            consumed.conversations, consumed.dropped = 0, {}
+            yield {**block, "stream_exhausted": 0, "stream_stats": stats}
+        tail = self.exhausted_block()
+        tail["stream_stats"] = StreamStats(consumed.conversations, dropped=dict(consumed.dropped))
+        yield tail
         while True:
             yield self.exhausted_block()
 
 
 def collate_blocks(collator):
-    """Wrap a BlockDiagonalCollator so the `stream_exhausted` flags travel as one tensor."""
+    """Wrap a BlockDiagonalCollator so the `stream_exhausted` flags travel as one tensor and the blocks'
+    `stream_stats` as their sum (both popped by the trainer before the model sees the batch)."""
 
     def collate(blocks: list[dict[str, Any]]) -> dict[str, Any]:
         flags = [block.pop("stream_exhausted", 0) for block in blocks]
+        stats = StreamStats()
+        for block in blocks:
+            stats.add(block.pop("stream_stats", StreamStats()))
         batch = collator(blocks)
         batch["stream_exhausted"] = torch.tensor(max(flags))
+        batch["stream_stats"] = stats
         return batch
 
     return collate
