@@ -24,6 +24,7 @@ per million real tokens; attention FLOPs are left out.
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -83,17 +84,26 @@ def trl_packing(examples: list[dict[str, list[int]]], block: int, strategy: str,
     return [fixed, flat]
 
 
-def ours(examples: list[dict[str, list[int]]], block: int, split_examples: bool) -> list[Any]:
-    from sft_recipes.data.blocks import pack_blocks
+def ours(examples: list[dict[str, list[int]]], block: int, split_examples: bool, window: int | None = None
+         ) -> list[Any]:
+    from sft_recipes.data.blocks import PACKING_WINDOW, pack_blocks
 
-    blocks = list(pack_blocks(examples, block, split_examples=split_examples))
-    real = sum(len(b["input_ids"]) for b in blocks)
-    name = "ours, `pack_blocks` " + ("split at block edges" if split_examples else "whole examples")
-    partial = sum(len(b["input_ids"]) < block for b in blocks[:-1])
-    note = (f"all blocks but the last are full (last {len(blocks[-1]['input_ids']) / block:.0%} full)" if not partial
-            else f"{partial + 1} of {len(blocks)} blocks not full")
-    return strategy_row(name, block, len(blocks), len(blocks) * block, real,
-                        sum(len(e["input_ids"]) for e in examples) - real, note)
+    window = window or PACKING_WINDOW
+    rows = real = not_full = last = 0
+    for packed in pack_blocks(examples, block, split_examples=split_examples, window=window):
+        rows, last = rows + 1, len(packed["input_ids"])
+        real += last
+        not_full += last < block
+    if split_examples:
+        name = "ours, `pack_blocks` split at block edges"
+    elif window == 1:
+        name = "ours, `pack_blocks` whole examples, arrival order (`packing_window: 1`)"
+    else:
+        name = f"ours, `pack_blocks` whole examples, best fit over {window} waiting (default)"
+    partial = not_full - (last < block)
+    note = (f"all blocks but the last are full (last {last / block:.0%} full)" if not partial
+            else f"{not_full} of {rows} blocks not full")
+    return strategy_row(name, block, rows, rows * block, real, sum(len(e["input_ids"]) for e in examples) - real, note)
 
 
 def seed001(examples: list[dict[str, list[int]]], block: int, tokenizer) -> list[Any]:
@@ -152,7 +162,8 @@ def report(options: argparse.Namespace, argv: list[str]) -> str:
     table, examples = alpaca_examples(tokenizer, rows, 1024)
     lengths = [len(e["input_ids"]) for e in examples]
     table += [dynamic_padding(examples, 1024, pad), *trl_packing(examples, 1024, "bfd", pad),
-              *trl_packing(examples, 1024, "bfd_split", pad), ours(examples, 1024, True), ours(examples, 1024, False)]
+              *trl_packing(examples, 1024, "bfd_split", pad), ours(examples, 1024, True), ours(examples, 1024, False, 1),
+              ours(examples, 1024, False)]
     lines += [f"Alpaca-like: {len(rows)} real alpaca rows in the Llama seed's prompt format, {sum(lengths):,} tokens "
               f"(mean {sum(lengths) / len(lengths):.0f}, max {max(lengths)}), max_length 1024:", "",
               markdown_table(headers, table), ""]
@@ -163,10 +174,21 @@ def report(options: argparse.Namespace, argv: list[str]) -> str:
     for block in options.blocks:
         table = [pad_to_max(lengths, block), dynamic_padding(examples, block, pad),
                  *trl_packing(examples, block, "bfd", pad), *trl_packing(examples, block, "bfd_split", pad),
-                 seed001(examples, block, tokenizer), ours(examples, block, True), ours(examples, block, False)]
+                 seed001(examples, block, tokenizer), ours(examples, block, True), ours(examples, block, False, 1),
+                 ours(examples, block, False)]
         lines += [f"UltraChat-like: {len(examples)} conversations, {sum(lengths):,} tokens (mean "
                   f"{sum(lengths) / len(lengths):.0f}, max {max(lengths)}), max_length {block}:", "",
                   markdown_table(headers, table), ""]
+
+    # One rank's share of the Qwen recipe's data: the tail block a stream ends with is then what it is there.
+    rank_share = random.Random(0).choices(examples, k=options.rank_conversations)
+    lengths = [len(e["input_ids"]) for e in rank_share]
+    for block in options.blocks:
+        table = [*trl_packing(rank_share, block, "bfd", pad)[:1], seed001(rank_share, block, tokenizer),
+                 ours(rank_share, block, True), ours(rank_share, block, False, 1), ours(rank_share, block, False)]
+        lines += [f"UltraChat-like at the Qwen recipe's scale: the {len(examples)} conversations resampled to "
+                  f"{len(rank_share):,} (one rank's share of UltraChat 200k `train_sft`, 207,865 conversations, over "
+                  f"8 GPUs), {sum(lengths):,} tokens, max_length {block}:", "", markdown_table(headers, table), ""]
     return "\n".join(lines)
 
 
@@ -176,11 +198,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--conversations", type=int, default=1000)
     parser.add_argument("--alpaca-rows", type=int, default=None, help="default: all 700")
     parser.add_argument("--blocks", default="8192,32768")
+    parser.add_argument("--rank-conversations", type=int, default=26_000,
+                        help="conversations resampled for the recipe-scale table (one rank's share)")
     options = parser.parse_args(argv)
     options.blocks = [int(block) for block in options.blocks.split(",")]
     options.tokenizer_args = {}
     if options.quick:
-        options.conversations, options.alpaca_rows, options.blocks = 12, 40, [4096]
+        options.conversations, options.alpaca_rows, options.blocks, options.rank_conversations = 12, 40, [4096], 60
         options.tokenizer_args = {"training_conversations": 30, "vocab_size": 2000}
     return options
 

@@ -23,6 +23,7 @@ from sft_recipes.environment import set_runtime_defaults
 set_runtime_defaults()  # before anything imports huggingface_hub or touches CUDA
 
 from transformers import AutoConfig
+from trl.trainer.utils import global_then_local_main_first
 
 from sft_recipes.config import RecipeError, load_recipe
 from sft_recipes.data.audit import audit_dataset, format_report
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                                **(data_args.chat_template_kwargs or {}))
         print(format_report(report))
         return 0
-    with training_args.main_process_first(desc="dataset preparation"):
+    with global_then_local_main_first():  # prepared once per datasets cache (shared or node-local), not per rank
         raw_dataset = apply_length_policy(raw_dataset, data_args, training_args, tokenizer, data_report)
         train_dataset, data_collator = prepare_train_dataset(raw_dataset, data_args, tokenizer, training_args)
     if is_main:

@@ -66,12 +66,17 @@ def test_packing_efficiency_quick_conserves_tokens(capsys):
     report = run_quick(capsys, "packing_efficiency")
     rows = table_rows(report, "strategy")
     ours_split = [row for row in rows if row["strategy"] == "ours, `pack_blocks` split at block edges"]
-    assert len(ours_split) == 2  # alpaca at 1024, UltraChat-like at the quick block
+    assert len(ours_split) == 3  # alpaca at 1024, UltraChat-like at the quick block, and resampled to a rank's share
     for row in ours_split:
         assert row["tokens lost"] == "0"
         # Splitting at block edges leaves only the last block partly empty.
         block = number(row["token slots"]) / number(row["rows"])
         assert number(row["token slots"]) - number(row["real tokens"]) < block
+    arrival = [row for row in rows if "arrival order" in row["strategy"]]
+    best_fit = [row for row in rows if "best fit over" in row["strategy"]]
+    assert len(arrival) == len(best_fit) == 3
+    for plain, windowed in zip(arrival, best_fit):
+        assert windowed["tokens lost"] == plain["tokens lost"] and number(windowed["rows"]) <= number(plain["rows"])
     seed001 = [row for row in rows if row["strategy"].startswith("seed 001")]
     assert seed001 and number(seed001[0]["tokens lost"]) > 0  # the seed never yields its last partial block
     for row in rows:

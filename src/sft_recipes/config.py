@@ -23,6 +23,8 @@ from typing import Any, Literal
 import yaml
 from trl import ModelConfig, ScriptArguments, SFTConfig
 
+from sft_recipes.data.blocks import PACKING_WINDOW
+
 DATASET_FORMATS = ("alpaca", "messages", "reasoning", "text")
 
 
@@ -53,7 +55,12 @@ class DataArguments(ScriptArguments):
     split_examples: bool = field(
         default=True,
         metadata={"help": "With pack_blocks: let a conversation run on into the next block (every block full), "
-                  "or start a new block when it does not fit."},
+                  "or keep it whole (blocks packed best-fit over `packing_window` waiting conversations)."},
+    )
+    packing_window: int = field(
+        default=PACKING_WINDOW,
+        metadata={"help": "With pack_blocks and split_examples: false: how many waiting conversations a block may "
+                  "choose from (it starts with the oldest, then takes the longest that fit); 1 = arrival order."},
     )
     chat_template_kwargs: dict | None = field(
         default=None, metadata={"help": "Extra chat-template variables, e.g. {enable_thinking: false}."}

@@ -14,6 +14,8 @@ the same step (as the reference recipe does with its `ran_out` all-reduce).
 
 from __future__ import annotations
 
+import bisect
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,28 +31,28 @@ from sft_recipes.data.masking import KEPT, tokenize_conversations
 
 IGNORE_INDEX = -100
 TOKENIZE_BATCH = 256
+PACKING_WINDOW = 1024  # examples a whole-example block may choose from (DataArguments.packing_window)
 
 
-def pack_blocks(examples: Iterable[dict[str, list[int]]], max_length: int, split_examples: bool = True
-                ) -> Iterator[dict[str, list[int]]]:
-    """Greedily fill blocks of `max_length` tokens from examples in arrival order.
+def pack_blocks(examples: Iterable[dict[str, list[int]]], max_length: int, split_examples: bool = True,
+                window: int = PACKING_WINDOW) -> Iterator[dict[str, list[int]]]:
+    """Fill blocks of `max_length` tokens from a stream of examples.
 
-    Each example has `input_ids` and `labels`. A block is `input_ids`, `labels` and
-    `seq_lengths` (its segments). With `split_examples` an example runs on into the next block
-    (every block but the last is full, as in the reference recipe); without, an example that does
-    not fit starts a new block, and one longer than `max_length` keeps its first tokens. The last,
-    partial block is yielded as is: the collator pads it.
+    Each example has `input_ids` and `labels`. A block is `input_ids`, `labels` and `seq_lengths`
+    (its segments). With `split_examples` (the reference recipe) examples go end to end in arrival
+    order and one that does not fit runs on into the next block: every block but the last is full.
+    Without, examples stay whole (one longer than `max_length` keeps its first tokens) and are
+    packed best-fit over a window (`_pack_whole_examples`). The last, partial block is yielded as
+    is: the collator pads it.
     """
+    if not split_examples:
+        yield from _pack_whole_examples(examples, max_length, window)
+        return
     ids: list[int] = []
     labels: list[int] = []
     lengths: list[int] = []
     for example in examples:
         example_ids, example_labels = example["input_ids"], example["labels"]
-        if not split_examples:
-            example_ids, example_labels = example_ids[:max_length], example_labels[:max_length]
-            if len(ids) + len(example_ids) > max_length:
-                yield {"input_ids": ids, "labels": labels, "seq_lengths": lengths}
-                ids, labels, lengths = [], [], []
         while example_ids:
             take = min(len(example_ids), max_length - len(ids))
             ids += example_ids[:take]
@@ -62,6 +64,60 @@ def pack_blocks(examples: Iterable[dict[str, list[int]]], max_length: int, split
                 ids, labels, lengths = [], [], []
     if ids:
         yield {"input_ids": ids, "labels": labels, "seq_lengths": lengths}
+
+
+def _pack_whole_examples(examples: Iterable[dict[str, list[int]]], max_length: int, window: int
+                         ) -> Iterator[dict[str, list[int]]]:
+    """Each block starts with the oldest waiting example, then takes the longest waiting ones that still fit.
+
+    Up to `window` examples wait; `window=1` is plain arrival order. On UltraChat-like data at 8192
+    tokens this fills ~99% of the slots against ~88% in arrival order, as full as TRL's
+    best-fit-decreasing over the whole dataset (benchmarks/README.md), yet it streams, and an example
+    is never trained more than about `window` examples away from its place in the data.
+    """
+    if window < 1:
+        raise ValueError(f"packing_window must be at least 1 (1 packs in arrival order), got {window}.")
+    arrivals = iter(examples)
+    waiting: dict[int, tuple[list[int], list[int]]] = {}
+    by_length: list[tuple[int, int]] = []  # sorted (length, -arrival): the longest fitting, oldest first
+    order: deque[int] = deque()  # arrival numbers; ones already packed are skipped lazily
+    arrived = 0
+
+    def refill() -> None:
+        nonlocal arrived
+        while len(waiting) < window:
+            example = next(arrivals, None)
+            if example is None:
+                return
+            ids, labels = example["input_ids"][:max_length], example["labels"][:max_length]
+            if ids:
+                waiting[arrived] = (ids, labels)
+                bisect.insort(by_length, (len(ids), -arrived))
+                order.append(arrived)
+                arrived += 1
+
+    refill()
+    while waiting:
+        while order[0] not in waiting:
+            order.popleft()
+        oldest = order.popleft()
+        ids, labels = waiting.pop(oldest)
+        by_length.remove((len(ids), -oldest))
+        refill()
+        block_ids, block_labels, lengths = list(ids), list(labels), [len(ids)]
+        room = max_length - len(ids)
+        while room and by_length:
+            best = bisect.bisect_right(by_length, (room, 1)) - 1  # (room, 1) sorts after every (room, -arrival)
+            if best < 0:
+                break
+            length, negative_arrival = by_length.pop(best)
+            ids, labels = waiting.pop(-negative_arrival)
+            refill()
+            block_ids += ids
+            block_labels += labels
+            lengths.append(length)
+            room -= length
+        yield {"input_ids": block_ids, "labels": block_labels, "seq_lengths": lengths}
 
 
 @dataclass
@@ -108,7 +164,7 @@ class RankLocalBlockStream(TorchIterableDataset):
 
     def __init__(self, dataset: Dataset | IterableDataset, tokenizer, max_length: int, rank: int, world_size: int,
                  split_examples: bool = True, template_kwargs: dict[str, Any] | None = None,
-                 messages_field: str = "messages"):
+                 messages_field: str = "messages", packing_window: int = PACKING_WINDOW):
         if isinstance(dataset, Dataset):
             dataset = dataset.to_iterable_dataset(num_shards=max(1, min(len(dataset), 64)))
         self.dataset = dataset
@@ -117,6 +173,7 @@ class RankLocalBlockStream(TorchIterableDataset):
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.split_examples = split_examples
+        self.packing_window = packing_window
         self.template_kwargs = template_kwargs or {}
         self.messages_field = messages_field
         self.pad_token_id = tokenizer.pad_token_id
@@ -145,7 +202,8 @@ class RankLocalBlockStream(TorchIterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         consumed = StreamStats()  # conversations read by the tokenizing generator, not yet reported
-        for block in pack_blocks(self._tokenized(consumed), self.max_length, self.split_examples):
+        for block in pack_blocks(self._tokenized(consumed), self.max_length, self.split_examples,
+                                 self.packing_window):
             stats = StreamStats(consumed.conversations, 1, len(block["input_ids"]), self.max_length,
                                 sum(label != IGNORE_INDEX for label in block["labels"]), dict(consumed.dropped))
             consumed.conversations, consumed.dropped = 0, {}

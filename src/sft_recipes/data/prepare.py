@@ -27,6 +27,7 @@ def prepare_train_dataset(raw: Dataset | IterableDataset, data_args, tokenizer, 
         stream = RankLocalBlockStream(
             raw, tokenizer, training_args.max_length, training_args.process_index, training_args.world_size,
             split_examples=data_args.split_examples, template_kwargs=template_kwargs,
+            packing_window=data_args.packing_window,
         )
         collator = BlockDiagonalCollator(training_args.max_length, tokenizer.pad_token_id, split_examples=True)
         return stream, collate_blocks(collator)
