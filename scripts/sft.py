@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with global_then_local_main_first():  # prepared once per datasets cache (shared or node-local), not per rank
         raw_dataset = apply_length_policy(raw_dataset, data_args, training_args, tokenizer, data_report)
-        train_dataset, data_collator = prepare_train_dataset(raw_dataset, data_args, tokenizer, training_args)
+        train_dataset, data_collator = prepare_train_dataset(raw_dataset, data_args, tokenizer, training_args,
+                                                              data_report)
     if is_main:
         print(data_report.format(), flush=True)
     data_report.enforce(data_args.max_dropped_share)

@@ -13,6 +13,7 @@ from trl import SFTConfig, SFTTrainer
 from conftest import TINY_LLAMA_RECIPE, bin_path, run_command
 from sft_recipes.data.formats import alpaca_to_prompt_completion
 from sft_recipes.data.masking import tokenize_conversations
+from sft_recipes.data.prepare import prepare_train_dataset
 from sft_recipes.data.validation import apply_length_policy, load_checked_dataset
 from sft_recipes.tiny import ensure_tiny
 
@@ -172,3 +173,18 @@ def test_a_streamed_local_jsonl_skips_bad_lines_instead_of_failing(tmp_path):
     args.dataset_streaming = True
     dataset, report = load_checked_dataset(args)
     assert report.streamed and [row["messages"] for row in dataset] == [good["messages"], good["messages"]]
+
+
+def test_conversations_dropped_while_masking_reach_the_data_report(tokenizer, tmp_path):
+    ask, reply = {"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello there."}
+    rows = [{"messages": [ask, reply]}] * 3 + [{"messages": [{"role": "user", "content": "why " * 200}, reply]}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = data_args(path, "messages")
+    dataset, report = load_checked_dataset(args)
+    assert not report.dropped  # structurally fine: only masking at max_length finds the last row empty
+    short = len(tokenize_conversations(tokenizer, [rows[0]["messages"]])["input_ids"][0])
+    prepared, _ = prepare_train_dataset(dataset, args, tokenizer, SimpleNamespace(max_length=short), report)
+    assert dict(report.dropped) == {"truncated_away": 1} and report.kept == 3 == len(prepared)
+    assert report.trainable_tokens == sum(sum(masks) for masks in prepared["assistant_masks"]) > 0
+    assert "truncated_away 1" in report.format() and "--audit-data" in report.format()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pyarrow.compute as pc
 from datasets import Dataset, IterableDataset
 
 from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
@@ -11,11 +12,17 @@ from sft_recipes.data.formats import alpaca_to_prompt_completion
 from sft_recipes.data.masking import tokenize_dataset
 from sft_recipes.data.packing import BlockDiagonalCollator
 from sft_recipes.data.reasoning import check_reasoning_is_trained
+from sft_recipes.data.validation import DataReport
 
 
-def prepare_train_dataset(raw: Dataset | IterableDataset, data_args, tokenizer, training_args
+def prepare_train_dataset(raw: Dataset | IterableDataset, data_args, tokenizer, training_args,
+                          report: DataReport | None = None
                           ) -> tuple[Dataset | IterableDataset | RankLocalBlockStream, Callable | None]:
-    """The training dataset and, when the recipe packs, the collator that must go with it."""
+    """The training dataset and, when the recipe packs, the collator that must go with it.
+
+    Conversations dropped while masking a map-style chat dataset are added to `report`, with the
+    supervised tokens left (packed streams count theirs as they go: `StreamStats`).
+    """
     if data_args.dataset_format == "alpaca":
         return raw.map(alpaca_to_prompt_completion, remove_columns=raw.column_names), None
     if data_args.dataset_format == "text":
@@ -33,5 +40,13 @@ def prepare_train_dataset(raw: Dataset | IterableDataset, data_args, tokenizer, 
         return stream, collate_blocks(collator)
     if isinstance(raw, IterableDataset):
         raise ValueError("dataset_streaming with dataset_format: messages needs `pack_blocks: true`.")
-    dataset, _dropped = tokenize_dataset(raw, tokenizer, max_length=training_args.max_length, **template_kwargs)
+    dataset, dropped = tokenize_dataset(raw, tokenizer, max_length=training_args.max_length, **template_kwargs)
+    if report is not None:
+        report.count_masking(dropped, supervised_tokens(dataset))
     return dataset, None
+
+
+def supervised_tokens(dataset: Dataset) -> int:
+    """Sum of `assistant_masks` over the (filtered) rows, in Arrow: no token goes through Python."""
+    batches = dataset.with_format("arrow").iter(batch_size=10_000)
+    return sum(pc.sum(pc.list_flatten(batch.column("assistant_masks"))).as_py() or 0 for batch in batches)

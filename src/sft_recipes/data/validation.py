@@ -118,6 +118,13 @@ class DataReport:
             text = row if isinstance(row, str) else json.dumps(row, default=str, ensure_ascii=False)
             self.examples[reason] = f"{where}: {text[:_EXCERPT_CHARS]}"
 
+    def count_masking(self, dropped: dict[str, int], trainable_tokens: int) -> None:
+        """Add the conversations that assistant-only masking dropped, and the supervised tokens left."""
+        for reason, count in dropped.items():
+            self.dropped[reason] += count
+            self.examples.setdefault(reason, "found while masking (scripts/sft.py RECIPE --audit-data N shows rows)")
+        self.trainable_tokens = trainable_tokens
+
     @property
     def kept(self) -> int:
         return self.rows - sum(self.dropped.values())
