@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten
 from trl.trainer.utils import add_fused_lm_head
 
 from sft_recipes.modeling import model_class_for
+from sft_recipes.models.towers import freeze_vision_tower
 from sft_recipes.plan import (
     GIB,
     GPUS,
@@ -78,7 +79,9 @@ def test_meta_counts_equal_the_instantiated_tiny_model(model_type):
     counts = count_parameters(config)
 
     assert counts.total == sum(p.numel() for p in model.parameters())
-    assert counts.trainable == counts.total
+    vision = freeze_vision_tower(model)  # text-only SFT: a VLM's vision tower is frozen, not planned as trained
+    assert (vision > 0) == (model_type == "qwen3_5")
+    assert counts.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad) == counts.total - vision
     assert counts.embedding == model.get_input_embeddings().weight.numel()
     assert counts.decoder_layers == tuple(sum(p.numel() for p in layer.parameters()) for layer in decoder.layers)
 

@@ -57,6 +57,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from sft_recipes.modeling import TINY_SCHEME, model_class_for
+from sft_recipes.models.towers import freeze_vision_tower
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -235,6 +236,7 @@ def count_parameters(config: PretrainedConfig, lora: LoraConfig | None = None) -
     """Exact parameter counts of ``config``'s model built on the meta device, with ``lora`` (a
     ``peft.LoraConfig``) applied when given. Seconds even for a 120B MoE."""
     model = build_meta_model(config)
+    freeze_vision_tower(model)  # as scripts/sft.py does: text-only SFT never trains a VLM's vision tower
     text_config = _text_config(config)
     decoder = model.get_decoder()
     embedding = model.get_input_embeddings().weight
