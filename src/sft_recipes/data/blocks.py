@@ -205,7 +205,7 @@ class RankLocalBlockStream(TorchIterableDataset):
         for block in pack_blocks(self._tokenized(consumed), self.max_length, self.split_examples,
                                  self.packing_window):
             stats = StreamStats(consumed.conversations, 1, len(block["input_ids"]), self.max_length,
-                                sum(label != IGNORE_INDEX for label in block["labels"]), dict(consumed.dropped))
+                                len(block["labels"]) - block["labels"].count(IGNORE_INDEX), dict(consumed.dropped))
             consumed.conversations, consumed.dropped = 0, {}
             yield {**block, "stream_exhausted": 0, "stream_stats": stats}
         tail = self.exhausted_block()
