@@ -157,16 +157,27 @@ def test_conversations_without_assistant_turn_are_counted_and_dropped(tokenizer)
     assert stats.dropped == {"no_assistant_turn": 1} and stats.conversations == 3
 
 
+class StepArgs:
+    device = torch.device("cpu")
+
+
+class Control:
+    should_training_stop = False
+    should_save = False
+
+
 def test_stop_flag_without_process_group():
-    class Args:
-        device = torch.device("cpu")
-
-    class Control:
-        should_training_stop = False
-        should_save = False
-
-    callback = StopWhenAnyRankExhausted()
-    assert callback.on_step_end(Args(), None, Control()).should_training_stop is False
+    callback = StopWhenAnyRankExhausted(StreamStats(conversations=3, blocks=1, supervised_tokens=12))
+    assert callback.on_step_end(StepArgs(), None, Control()).should_training_stop is False
     callback.exhausted = True
-    control = callback.on_step_end(Args(), None, Control())
+    control = callback.on_step_end(StepArgs(), None, Control())
     assert control.should_training_stop and control.should_save
+
+
+def test_a_stream_that_ends_with_nothing_learned_is_an_error():
+    callback = StopWhenAnyRankExhausted(StreamStats(conversations=4, dropped={"no_assistant_turn": 4}))
+    callback.exhausted = True
+    control = Control()
+    with pytest.raises(ValueError, match=r"nothing to learn \(this rank: 4 conversations read \(dropped: 4 no_assistant"):
+        callback.on_step_end(StepArgs(), None, control)
+    assert not control.should_save  # no checkpoint of a step that learned nothing

@@ -96,3 +96,15 @@ def test_resume_of_the_packed_stream_is_exact(packed_run, tmp_path):
     assert later and list(again["losses"]) == list(later)
     for step, loss in later.items():
         assert again["losses"][step] == pytest.approx(loss, abs=1e-4), step
+
+
+def test_a_stream_with_nothing_to_learn_fails_on_every_rank(tmp_path):
+    data = tmp_path / "questions_only.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) + "\n" for i in range(8)))
+    out = tmp_path / "run"
+    result = launch_sft(RECIPE, "--dataset_name", str(data), "--output_dir", str(out), "--report_to", "none",
+                        check=False)
+    assert result.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank{rank}]: ValueError: Refusing to go on: the packed stream ended before any rank" in result.stderr
+    assert not list(out.glob("checkpoint-*")) and not (out / "model.safetensors").exists()

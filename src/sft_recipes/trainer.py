@@ -36,7 +36,7 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
             train_dataset = datasets.Dataset.from_list([self.block_stream.exhausted_block()])
         super().__init__(*args, train_dataset=train_dataset, **kwargs)
         if self.block_stream is not None:
-            self.exhaustion = StopWhenAnyRankExhausted()
+            self.exhaustion = StopWhenAnyRankExhausted(self.stream_stats)
             self.add_callback(self.exhaustion)
 
     @property

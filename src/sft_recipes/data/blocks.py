@@ -233,16 +233,30 @@ def collate_blocks(collator):
 
 
 class StopWhenAnyRankExhausted(TrainerCallback):
-    """All ranks stop on the first optimizer step after which any rank has run out of data."""
+    """All ranks stop on the first optimizer step after which any rank has run out of data.
 
-    def __init__(self) -> None:
+    A stream that ends before any rank trained on a supervised token is an error on every rank (a
+    dataset with nothing to learn), raised before the stopping step is saved or exported.
+    """
+
+    def __init__(self, trained: StreamStats | None = None) -> None:
         self.exhausted = False
+        self.trained = trained or StreamStats()  # what this rank has trained on so far (the trainer adds to it)
 
     def on_step_end(self, args, state, control, **kwargs):
-        flag = torch.tensor(float(self.exhausted), device=args.device)
+        flags = torch.tensor([float(self.exhausted), float(self.trained.supervised_tokens)], dtype=torch.float64,
+                             device=args.device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        if flag.item() > 0:
+            torch.distributed.all_reduce(flags)
+        exhausted_ranks, supervised_tokens = flags.tolist()
+        if exhausted_ranks > 0:
+            if supervised_tokens == 0:
+                raise ValueError(
+                    "Refusing to go on: the packed stream ended before any rank trained on a supervised token, so "
+                    f"the dataset has nothing to learn (this rank: {self.trained.describe()}). Streamed rows that "
+                    "break the dataset_format rules are dropped as they are read: check dataset_name and "
+                    "dataset_format, and look at the rows with `scripts/sft.py RECIPE --audit-data 5`."
+                )
             control.should_training_stop = True
             control.should_save = True
         return control
