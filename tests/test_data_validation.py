@@ -164,15 +164,37 @@ def test_length_policy_measures_conversations_as_the_masking_renders_them(tokeni
     assert len(kept) == sum(length <= max_length for length in lengths)
 
 
-def test_a_streamed_local_jsonl_skips_bad_lines_instead_of_failing(tmp_path):
+def test_a_streamed_local_jsonl_skips_bad_lines_instead_of_failing(tmp_path, caplog):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     no_reply = {"messages": [{"role": "user", "content": "anyone?"}]}
     path = tmp_path / "chat.jsonl"
-    path.write_text("\n".join([json.dumps(good), "{not json", json.dumps(no_reply), json.dumps(good)]) + "\n")
+    lines = [json.dumps(good), "{not json", json.dumps(no_reply), json.dumps(good)] + [json.dumps(no_reply)] * 9
+    path.write_text("\n".join(lines) + "\n")
     args = data_args(path, dataset_format="messages")
     args.dataset_streaming = True
     dataset, report = load_checked_dataset(args)
-    assert report.streamed and [row["messages"] for row in dataset] == [good["messages"], good["messages"]]
+    with caplog.at_level("WARNING", logger="sft_recipes.data.validation"):
+        assert report.streamed and [row["messages"] for row in dataset] == [good["messages"], good["messages"]]
+    shown = [record.getMessage() for record in caplog.records]
+    assert shown == [  # the 1st and the 10th of each reason, with the row
+        f"[data] {path}: dropped streamed row (invalid_json, 1 so far in this reader), line 2: {{not json",
+        f"[data] {path}: dropped streamed row (no_assistant_turn, 1 so far in this reader), line 3: {json.dumps(no_reply)}",
+        f"[data] {path}: dropped streamed row (no_assistant_turn, 10 so far in this reader), line 13: {json.dumps(no_reply)}",
+    ]
+
+
+def test_a_streamed_hub_dataset_drops_and_shows_bad_rows(tmp_path, caplog, monkeypatch):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    bad = {"messages": [{"role": "bot", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    stream = Dataset.from_list([good, bad, good]).to_iterable_dataset()
+    monkeypatch.setattr("sft_recipes.data.validation.load_raw_dataset", lambda args: stream)
+    args = data_args("org/chat-data", dataset_format="messages")
+    args.dataset_streaming = True
+    dataset, report = load_checked_dataset(args)
+    with caplog.at_level("WARNING", logger="sft_recipes.data.validation"):
+        assert [row["messages"] for row in dataset] == [good["messages"]] * 2
+    assert [record.getMessage() for record in caplog.records] == [
+        f"[data] org/chat-data: dropped streamed row (unknown_role, 1 so far in this reader), a row: {json.dumps(bad)}"]
 
 
 def test_conversations_dropped_while_masking_reach_the_data_report(tokenizer, tmp_path):

@@ -16,13 +16,15 @@ Policy, per reason (each dropped row is counted under the first reason that appl
 
 Training refuses to start (ValueError showing an offending row) when more than
 `max_dropped_share` of the rows are dropped, or when no trainable token is left. Streamed datasets
-are filtered lazily by the same row rules; their counts are not known at start, and a streamed
-local .jsonl is read by `datasets`, so an invalid JSON line still fails it.
+are filtered lazily by the same row rules; their counts are not known at start, so each reader
+logs bad rows as it meets them (`StreamedRowCheck`). A streamed local .jsonl is read line by line:
+an invalid JSON line is one bad row, not a failed stream.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -49,6 +51,7 @@ KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
 OPTIONAL_CONTENT_ROLES = ("system", "developer")
 CHAT_FORMATS = ("messages", "reasoning")
 _EXCERPT_CHARS = 300
+logger = logging.getLogger(__name__)
 LENGTH_BATCH = 1000
 
 
@@ -140,7 +143,8 @@ class DataReport:
 
     def format(self) -> str:
         if self.streamed:
-            return f"[data] {self.source}: streamed; bad rows are dropped as they are read (not counted up front)"
+            return (f"[data] {self.source}: streamed; bad rows are dropped as they are read, and logged (the 1st, "
+                    "10th, 100th... of each reason per reader)")
         reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(self.dropped.items())) or "none"
         line = (f"[data] {self.source}: {self.rows} rows, kept {self.kept}, dropped {sum(self.dropped.values())} "
                 f"({self.dropped_share:.2%}: {reasons}), truncated {self.truncated}")
@@ -184,11 +188,40 @@ def _local_jsonl(data_args) -> Path | None:
     return path if path.suffix == ".jsonl" and path.is_file() else None
 
 
+class StreamedRowCheck:
+    """Keeps the streamed rows a run can train on; shows bad ones as they are read.
+
+    A stream's drop counts are not known at start (nothing reads it up front), so each reader
+    process logs the 1st, 10th, 100th... bad row of each reason, with the row, instead.
+    """
+
+    def __init__(self, source: str, dataset_format: str) -> None:
+        self.source = source
+        self.dataset_format = dataset_format
+        self.dropped: Counter = Counter()
+
+    def keep(self, row: dict[str, Any] | None, where: str, line: str | None = None) -> bool:
+        problem = INVALID_JSON if row is None else row_problem(row, self.dataset_format)
+        if problem is None:
+            return True
+        self.dropped[problem] += 1
+        count = self.dropped[problem]
+        if count == 10 ** (len(str(count)) - 1):  # 1, 10, 100, ...
+            text = line if row is None else json.dumps(row, default=str, ensure_ascii=False)
+            logger.warning("[data] %s: dropped streamed row (%s, %d so far in this reader), %s: %s", self.source,
+                           problem, count, where, text[:_EXCERPT_CHARS])
+        return False
+
+    def __call__(self, row: dict[str, Any]) -> bool:  # as a `datasets` filter
+        return self.keep(row, "a row")
+
+
 def _valid_jsonl_rows(path: str, dataset_format: str) -> Iterator[dict[str, Any]]:
     """The rows of a local .jsonl that a streamed run can train on; bad lines are skipped, not fatal."""
     required, optional = REQUIRED_COLUMNS[dataset_format]
-    for _, row, _ in read_jsonl(Path(path)):
-        if row is not None and row_problem(row, dataset_format) is None:
+    check = StreamedRowCheck(path, dataset_format)
+    for number, row, line in read_jsonl(Path(path)):
+        if check.keep(row, f"line {number}", line):
             yield {column: row.get(column) for column in sorted(required | optional)}
 
 
@@ -243,7 +276,7 @@ def load_checked_dataset(data_args) -> tuple[Dataset | IterableDataset, DataRepo
     report = DataReport(source=data_args.dataset_name)
     if isinstance(dataset, IterableDataset):
         report.streamed = True
-        return dataset.filter(lambda row: row_problem(row, fmt) is None), report
+        return dataset.filter(StreamedRowCheck(data_args.dataset_name, fmt)), report
     problems = [row_problem(row, fmt) for row in dataset]
     report.rows = len(problems)
     for index, problem in enumerate(problems):
