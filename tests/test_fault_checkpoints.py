@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 import sft_recipes.fault.checkpoints as checkpoints
-from conftest import TINY_LLAMA_RECIPE
+from conftest import REPO_ROOT, TINY_LLAMA_RECIPE
 from sft_recipes.config import load_recipe
 from sft_recipes.fault.checkpoints import COMPLETION_MARKER, recipe_fingerprint, rotate_checkpoints, write_marker
 from sft_recipes.runs import protect_output_dir, recipe_identity, resolve_resume_checkpoint
@@ -119,3 +119,13 @@ def test_rotation_deletes_only_this_recipes_oldest_complete_checkpoints(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-4", "checkpoint-6",
                                                           "checkpoint-8"]
     assert rotate_checkpoints(tmp_path, keep=None, fingerprint=recipe_fingerprint(identity)) == []
+
+
+def test_a_packed_stream_resumes_only_with_the_same_readers(tmp_path, monkeypatch):
+    qwen = REPO_ROOT / "recipes" / "tiny" / "qwen27b.yaml"
+    two_workers = recipe_identity(load_recipe(qwen, []))
+    assert two_workers["packed_stream_readers (ranks x dataloader_num_workers)"] == 2  # one process here, 2 workers
+    make_checkpoint(tmp_path, 4, two_workers, 100.0, monkeypatch)
+    with pytest.raises(ValueError, match=r"packed_stream_readers \(ranks x dataloader_num_workers\): 2 there, 1 here"):
+        protect_output_dir(load_recipe(qwen, ["--dataloader_num_workers", "0"]), args_for(tmp_path))
+    assert protect_output_dir(load_recipe(qwen, []), args_for(tmp_path)) == []  # same readers: resumes

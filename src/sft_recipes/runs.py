@@ -31,13 +31,21 @@ RESUME_SAFE_KEYS = frozenset({
 
 
 def recipe_identity(recipe) -> dict[str, Any]:
-    """The recipe values that decide what is trained: every key the recipe sets but RESUME_SAFE_KEYS.
+    """The recipe values that decide what is trained: every key the recipe sets but RESUME_SAFE_KEYS, and
+    for packed streams the number of readers (its data order).
 
     Values are read back from the parsed arguments, so `3e-3` and `0.003` are the same recipe.
     """
     owners = (recipe.data, recipe.model, recipe.training)
-    return {key: getattr(next(owner for owner in owners if hasattr(owner, key)), key)
-            for key in sorted(recipe.values) if key not in RESUME_SAFE_KEYS}
+    identity = {key: getattr(next(owner for owner in owners if hasattr(owner, key)), key)
+                for key in sorted(recipe.values) if key not in RESUME_SAFE_KEYS}
+    if recipe.data.pack_blocks:
+        # Each (rank, dataloader worker) streams its own shard: resumed with another count of readers, the
+        # skipped batches would be other data, so the run would re-read some and never see the rest.
+        training = recipe.training
+        identity["packed_stream_readers (ranks x dataloader_num_workers)"] = (
+            training.world_size * max(1, training.dataloader_num_workers))
+    return identity
 
 
 def _explicit_resume_path(training_args) -> Path | None:
