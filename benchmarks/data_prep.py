@@ -104,7 +104,7 @@ def ours_method(tokenizer, dataset, block: int, rank: int = 0, world_size: int =
     from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
     from sft_recipes.data.packing import BlockDiagonalCollator
 
-    collate = collate_blocks(BlockDiagonalCollator(block, tokenizer.pad_token_id, split_examples=True))
+    collate = collate_blocks(BlockDiagonalCollator(block, tokenizer.pad_token_id, block_per_row=True))
 
     def run() -> int:
         stream = RankLocalBlockStream(dataset, tokenizer, block, rank, world_size, split_examples=True)
@@ -314,7 +314,7 @@ def label_check(template: str, options: argparse.Namespace) -> dict[str, Any]:
         {"input_ids": ids, "labels": [t if keep else IGNORE_INDEX for t, keep in zip(ids, mask)]}
         for ids, mask in zip(ours["input_ids"], ours["assistant_masks"])
     ]
-    collator = BlockDiagonalCollator(block, tokenizer.pad_token_id, split_examples=True)
+    collator = BlockDiagonalCollator(block, tokenizer.pad_token_id, block_per_row=True)
     ours_blocks = [collator([b]) for b in pack_blocks(examples, block) if len(b["input_ids"]) == block]
     seed._tokenize_sft = lambda index: seed_rows[index]  # its packing loop, on the rows tokenized above
     seed_blocks = [b for b, ran_out in seed.blocks({"messages": i} for i in range(len(seed_rows))) if not ran_out]

@@ -113,7 +113,7 @@ def packed_batches(examples: list[dict], blocks_per_step: int, block: int, pad_t
     from sft_recipes.data.blocks import pack_blocks
     from sft_recipes.data.packing import BlockDiagonalCollator
 
-    collator = BlockDiagonalCollator(block, pad_token_id, split_examples=True)
+    collator = BlockDiagonalCollator(block, pad_token_id, block_per_row=True)
     blocks = [b for b in pack_blocks(examples, block) if len(b["input_ids"]) == block]
     for start in range(0, len(blocks) - blocks_per_step + 1, blocks_per_step):
         step = blocks[start : start + blocks_per_step]

@@ -81,7 +81,7 @@ def strategies(tokenizer, rows: list[dict[str, str]], max_length: int) -> dict[s
             "config": {"packing": True, "packing_strategy": "bfd"}},
         "ours: pack_blocks + BlockDiagonalCollator": {
             "dataset": Dataset.from_list(blocks),
-            "collator": BlockDiagonalCollator(max_length, tokenizer.pad_token_id, split_examples=True),
+            "collator": BlockDiagonalCollator(max_length, tokenizer.pad_token_id, block_per_row=True),
             "config": prepared},
     }
 

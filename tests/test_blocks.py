@@ -77,6 +77,24 @@ def test_collated_blocks_reset_positions_and_mask_segment_starts():
     assert batch["stream_exhausted"].item() == 0
 
 
+def test_whole_example_blocks_keep_a_row_each_in_a_batch():
+    # Two partial blocks in one step: each keeps its own row and its examples stay whole.
+    collate = collate_blocks(BlockDiagonalCollator(max_length=5, pad_token_id=0, block_per_row=True))
+    blocks = [{**b, "stream_exhausted": 0} for b in pack_blocks(EXAMPLES, max_length=5, split_examples=False, window=1)]
+    assert [b["seq_lengths"] for b in blocks] == [[3], [5], [2]]
+    batch = collate(blocks)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 7, 8], [9, 10, 0, 0, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]
+    assert batch["labels"].tolist() == [[-100, 2, 3, -100, -100], [-100, -100, 6, 7, 8], [-100, 10, -100, -100, -100]]
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 5, 10, 12, 15]
+
+
+def test_a_block_longer_than_a_row_is_refused():
+    collator = BlockDiagonalCollator(max_length=4, pad_token_id=0, block_per_row=True)
+    with pytest.raises(ValueError, match="a block is longer than max_length=4"):
+        collator([{"input_ids": [1, 2, 3, 4, 5], "labels": [1, 2, 3, 4, 5], "seq_lengths": [5]}])
+
+
 def conversations(n):
     return [{"messages": [{"role": "user", "content": f"question {i}"},
                           {"role": "assistant", "content": f"answer number {i}"}]} for i in range(n)]

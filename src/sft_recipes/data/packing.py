@@ -100,6 +100,9 @@ class BlockDiagonalCollator:
     starts the next one; a single example longer than ``max_length`` keeps its first
     ``max_length`` tokens (as TRL's ``bfd`` does).
 
+    ``block_per_row=True``: every item is a block packed upstream (``pack_blocks``) and gets a row of
+    its own, its unused tail padded; the collator packs nothing further.
+
     With ``fla``'s gated-delta kernel (qwen3_5 on GPU), ``cu_seqlens`` requires a batch of one
     row: give it one block per step (``max_length`` = the token budget).
     """
@@ -107,6 +110,7 @@ class BlockDiagonalCollator:
     max_length: int
     pad_token_id: int
     split_examples: bool = True
+    block_per_row: bool = False
 
     def __post_init__(self) -> None:
         if self.max_length <= 0:
@@ -116,6 +120,9 @@ class BlockDiagonalCollator:
         items = [_Item.from_example(example) for example in examples if len(example["input_ids"])]
         if not items:
             raise ValueError("BlockDiagonalCollator got no tokens: every example in the batch is empty.")
+        if self.block_per_row and max(len(item.input_ids) for item in items) > self.max_length:
+            raise ValueError(f"block_per_row: a block is longer than max_length={self.max_length}; pack_blocks "
+                             "with the same max_length makes blocks that fit.")
         if not self.split_examples:
             items = [item.truncated(self.max_length) for item in items]
 
@@ -150,6 +157,8 @@ class BlockDiagonalCollator:
 
     def _place(self, lengths: np.ndarray) -> np.ndarray:
         """Start slot of each item in the flattened ``[B * max_length]`` batch."""
+        if self.block_per_row:
+            return np.arange(len(lengths)) * self.max_length
         if self.split_examples:
             return np.cumsum(lengths) - lengths
         starts = np.empty_like(lengths)

@@ -36,7 +36,7 @@ def prepare_train_dataset(raw: Dataset | IterableDataset, data_args, tokenizer, 
             split_examples=data_args.split_examples, template_kwargs=template_kwargs,
             packing_window=data_args.packing_window,
         )
-        collator = BlockDiagonalCollator(training_args.max_length, tokenizer.pad_token_id, split_examples=True)
+        collator = BlockDiagonalCollator(training_args.max_length, tokenizer.pad_token_id, block_per_row=True)
         return stream, collate_blocks(collator)
     if isinstance(raw, IterableDataset):
         raise ValueError("dataset_streaming with dataset_format: messages needs `pack_blocks: true`.")
