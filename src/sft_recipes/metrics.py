@@ -38,8 +38,9 @@ def peak_memory_gib(device: torch.device) -> float:
 def real_tokens_and_attention_length(inputs: dict) -> tuple[int, float]:
     """Tokens that are not padding in a batch, and sum(L_i^2) for the attention FLOP term.
 
-    Packed batches carry `cu_seq_lens_q` (documents, padding segments included: a small
-    overcount at the end of a stream); padded ones an `attention_mask`.
+    Packed batches carry `cu_seq_lens_q` (documents, padding segments included: an overcount by
+    the blocks' unused tails, ~1% with whole-example blocks, only the last block of a stream when
+    examples are split); padded ones an `attention_mask`.
     """
     if "cu_seq_lens_q" in inputs:
         lengths = torch.diff(inputs["cu_seq_lens_q"].to(torch.int64))
