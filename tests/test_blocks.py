@@ -166,6 +166,8 @@ def test_stream_supervises_only_assistant_tokens_and_counts_efficiency(tokenizer
     assert stats.blocks == len(blocks) and stats.real_tokens == sum(len(b["input_ids"]) for b in blocks)
     assert stats.token_slots == 32 * len(blocks) and 0.5 < stats.packing_efficiency <= 1.0
     assert stats.supervised_tokens == sum(l != -100 for b in blocks for l in b["labels"])
+    # The attention term of the throughput meter: real segments only, never the padding tail.
+    assert stats.squared_segment_lengths == sum(n * n for b in blocks for n in b["seq_lengths"])
 
 
 def test_conversations_without_assistant_turn_are_counted_and_dropped(tokenizer):

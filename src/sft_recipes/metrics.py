@@ -39,8 +39,8 @@ def real_tokens_and_attention_length(inputs: dict) -> tuple[int, float]:
     """Tokens that are not padding in a batch, and sum(L_i^2) for the attention FLOP term.
 
     Packed batches carry `cu_seq_lens_q` (documents, padding segments included: an overcount by
-    the blocks' unused tails, ~1% with whole-example blocks, only the last block of a stream when
-    examples are split); padded ones an `attention_mask`.
+    the rows' unused tails; packed streams count exactly instead, from their `StreamStats`);
+    padded ones an `attention_mask`.
     """
     if "cu_seq_lens_q" in inputs:
         lengths = torch.diff(inputs["cu_seq_lens_q"].to(torch.int64))
@@ -84,9 +84,12 @@ class ThroughputMeter:
         self.tokens, self.squared_lengths, self.started = 0, 0.0, time.perf_counter()
 
     def observe(self, inputs: dict) -> None:
-        tokens, squares = real_tokens_and_attention_length(inputs)
+        self.count(*real_tokens_and_attention_length(inputs))
+
+    def count(self, tokens: int, squared_lengths: float) -> None:
+        """Add real tokens and their sum of squared example lengths (when the data path knows them exactly)."""
         self.tokens += tokens
-        self.squared_lengths += squares
+        self.squared_lengths += squared_lengths
 
     def report(self) -> dict[str, float]:
         elapsed = time.perf_counter() - self.started

@@ -76,10 +76,14 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         exhausted = inputs.pop("stream_exhausted", None)
-        if "stream_stats" in inputs:
-            self.stream_stats.add(inputs.pop("stream_stats"))
-        if self.throughput is not None:
-            self.throughput.observe(inputs)
+        stats = inputs.pop("stream_stats", None)
+        if stats is not None:
+            self.stream_stats.add(stats)
+        if self.throughput is not None:  # a block stream knows its real tokens exactly, without the padding tails
+            if stats is not None:
+                self.throughput.count(stats.real_tokens, stats.squared_segment_lengths)
+            else:
+                self.throughput.observe(inputs)
         if exhausted is not None and bool(exhausted):
             self.exhaustion.exhausted = True
         return super().training_step(model, inputs, num_items_in_batch)

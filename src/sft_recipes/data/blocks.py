@@ -130,6 +130,7 @@ class StreamStats:
     token_slots: int = 0
     supervised_tokens: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    squared_segment_lengths: int = 0  # sum of L^2 over the real segments: the attention term of the FLOPs
 
     def add(self, other: StreamStats) -> StreamStats:
         self.conversations += other.conversations
@@ -137,6 +138,7 @@ class StreamStats:
         self.real_tokens += other.real_tokens
         self.token_slots += other.token_slots
         self.supervised_tokens += other.supervised_tokens
+        self.squared_segment_lengths += other.squared_segment_lengths
         for reason, count in other.dropped.items():
             self.dropped[reason] = self.dropped.get(reason, 0) + count
         return self
@@ -205,7 +207,8 @@ class RankLocalBlockStream(TorchIterableDataset):
         for block in pack_blocks(self._tokenized(consumed), self.max_length, self.split_examples,
                                  self.packing_window):
             stats = StreamStats(consumed.conversations, 1, len(block["input_ids"]), self.max_length,
-                                len(block["labels"]) - block["labels"].count(IGNORE_INDEX), dict(consumed.dropped))
+                                len(block["labels"]) - block["labels"].count(IGNORE_INDEX), dict(consumed.dropped),
+                                sum(length * length for length in block["seq_lengths"]))
             consumed.conversations, consumed.dropped = 0, {}
             yield {**block, "stream_exhausted": 0, "stream_stats": stats}
         tail = self.exhausted_block()
