@@ -5,7 +5,7 @@
   paragraphs and lists -- in English-like text: words drawn with Zipf frequencies from a lexicon
   built from the real alpaca rows and the project's sample data, plus derived forms (suffixes,
   prefixes, compounds, numbers) that give the long tail a real vocabulary has.
-* ``alpaca_rows()``: the real alpaca rows in ``shared/realworld/data`` plus ``data/samples/alpaca.jsonl``.
+* ``alpaca_rows()``: the real alpaca rows in ``data/realworld/data`` (copies of ``shared/realworld``) plus ``data/samples/alpaca.jsonl``.
 * ``standin_tokenizer(family)``: there is no Hub access here, so the real Llama-3 / Qwen3 tokenizers
   cannot be loaded. Instead a byte-level BPE with the real family's pre-tokenizer regex, its
   special tokens and its real chat template, trained on a few MB of this corpus with a real-size
@@ -27,12 +27,10 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from sft_recipes.tiny import strings_in
+from sft_recipes.tiny import REALWORLD_DIR, SAMPLES_DIR, strings_in
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO_ROOT / ".cache" / "bench"
-REALWORLD_DIR = REPO_ROOT.parent / "shared" / "realworld"
-SAMPLES_DIR = REPO_ROOT / "data" / "samples"
 ALPACA_FILES = (
     REALWORLD_DIR / "data" / "tatsu-lab__alpaca.stanford_alpaca_pr152_subset300.jsonl",
     REALWORLD_DIR / "data" / "tatsu-lab__alpaca.torchtune_alpaca_tiny.jsonl",

@@ -7,7 +7,7 @@
 Every strategy runs its real code on the same tokenized examples (the Llama-3 stand-in tokenizer
 of ``corpus.py``):
 
-* alpaca-like rows (the real alpaca rows in shared/realworld + data/samples/alpaca.jsonl, in the
+* alpaca-like rows (the real alpaca rows in data/realworld + data/samples/alpaca.jsonl, in the
   Llama seed's prompt format) at 1024 tokens: the seed's ``padding="max_length"`` (shared/seeds/000),
   dynamic padding (TRL's ``DataCollatorForLanguageModeling``, batch 4), ``trl.pack_dataset`` bfd and
   bfd_split, ours (``pack_blocks``) splitting examples at block edges and keeping them whole;

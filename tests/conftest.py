@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# Real chat templates, configs and data rows with their sources; laid beside every checkout and CI clone.
+# Real chat templates, configs and data rows with their sources: byte-for-byte copies of the team's
+# shared/realworld/ (laid beside every checkout and CI clone), so a clone on its own tests the same.
 SHARED_REALWORLD = REPO_ROOT.parent / "shared" / "realworld"
+REALWORLD = REPO_ROOT / "data" / "realworld"
 CPU_CONFIG = REPO_ROOT / "accelerate_configs" / "fsdp2_cpu.yaml"
 TINY_LLAMA_RECIPE = REPO_ROOT / "recipes" / "tiny" / "llama8b.yaml"
 
@@ -50,8 +52,7 @@ def read_summary(output_dir: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def realworld() -> Path:
-    assert SHARED_REALWORLD.is_dir(), f"{SHARED_REALWORLD} is missing: the tests need the team's shared/ beside the repo"
-    return SHARED_REALWORLD
+    return REALWORLD
 
 
 def write_uneven_shards(path: Path, rows: int, readers_per_rank: int = 1) -> Path:

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from conftest import REPO_ROOT, SHARED_REALWORLD, bin_path, run_command
+from conftest import REALWORLD, REPO_ROOT, bin_path, run_command
 
-CONFIGS = SHARED_REALWORLD / "model_configs"
+CONFIGS = REALWORLD / "model_configs"
 KEYS = {"total_params", "trainable_params", "world_size", "tokens_per_step", "per_device_memory_gib", "fits"}
 
 

@@ -14,10 +14,10 @@ import pytest
 
 from sft_recipes import tiny
 
-from conftest import REPO_ROOT, SHARED_REALWORLD
+from conftest import REALWORLD, REPO_ROOT, SHARED_REALWORLD
 
 SAMPLES = REPO_ROOT / "data" / "samples"
-REAL_ALPACA = SHARED_REALWORLD / "data" / "tatsu-lab__alpaca.torchtune_alpaca_tiny.jsonl"
+REAL_ALPACA = REALWORLD / "data" / "tatsu-lab__alpaca.torchtune_alpaca_tiny.jsonl"
 PROMPT_NO_INPUT = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
     "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -139,3 +139,11 @@ def test_every_thinking_row_renders_its_analysis_on_the_harmony_channel():
         text = tokenizer.apply_chat_template(row["messages"], tokenize=False)
         assert f"<|channel|>analysis<|message|>{row['analysis']}<|end|>" in text
         assert text.endswith(f"<|channel|>final<|message|>{row['final']}<|return|>")
+
+
+@pytest.mark.parametrize("copy", sorted(p.relative_to(REALWORLD) for p in REALWORLD.rglob("*")
+                                         if p.is_file() and p.suffix != ".md"), ids=str)
+def test_realworld_copies_are_the_shared_files_byte_for_byte(copy):
+    if not SHARED_REALWORLD.is_dir():
+        pytest.skip(f"no team shared/ beside this clone to compare {copy} with")
+    assert (REALWORLD / copy).read_bytes() == (SHARED_REALWORLD / copy).read_bytes()
