@@ -82,15 +82,20 @@ class Seed001PackedBlocks:
         yield self._pack_block([0] * seq_len, [], [False] * seq_len), torch.tensor(1.0)
 
 
-def seed000_tokenize(tokenizer, row: dict, max_seq_len: int) -> dict[str, list[int]]:
-    """Seed 000 (Llama-3.1-8B recipe): ``build_dataset.format_example``, padded to ``max_seq_len``."""
+def seed000_text(row: dict, eos: str) -> str:
+    """Seed 000 (Llama-3.1-8B recipe): ``build_dataset.format_example``, verbatim."""
     instruction = row.get("instruction", "")
     context = row.get("input", "")
     response = row.get("output", "")
     prompt = f"### Instruction:\n{instruction}\n\n"
     if context:
         prompt += f"### Input:\n{context}\n\n"
-    text = f"{prompt}### Response:\n{response}{tokenizer.eos_token}"
-    out = tokenizer(text, truncation=True, max_length=max_seq_len, padding="max_length")
+    return f"{prompt}### Response:\n{response}{eos}"
+
+
+def seed000_tokenize(tokenizer, row: dict, max_seq_len: int) -> dict[str, list[int]]:
+    """Seed 000: ``seed000_text`` tokenized and padded to ``max_seq_len``."""
+    out = tokenizer(seed000_text(row, tokenizer.eos_token), truncation=True, max_length=max_seq_len,
+                    padding="max_length")
     out["labels"] = out["input_ids"].copy()
     return out

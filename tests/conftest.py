@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Real chat templates, configs and data rows with their sources: byte-for-byte copies of the team's
@@ -18,6 +20,14 @@ SHARED_REALWORLD = REPO_ROOT.parent / "shared" / "realworld"
 REALWORLD = REPO_ROOT / "data" / "realworld"
 CPU_CONFIG = REPO_ROOT / "accelerate_configs" / "fsdp2_cpu.yaml"
 TINY_LLAMA_RECIPE = REPO_ROOT / "recipes" / "tiny" / "llama8b.yaml"
+
+
+def reference_recipes():
+    """benchmarks/reference_recipes.py: the seeds' data code, transcribed once for the benchmarks and the tests."""
+    spec = importlib.util.spec_from_file_location("reference_recipes", REPO_ROOT / "benchmarks" / "reference_recipes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:
@@ -50,6 +60,16 @@ def read_summary(output_dir: Path) -> dict:
     return json.loads((Path(output_dir) / "run_summary.json").read_text())
 
 
+def assert_resume_reproduces(full_dir: Path, resumed_dir: Path, checkpoint_step: int, atol: float) -> None:
+    """The resumed run started from checkpoint-N and logged the uninterrupted run's later losses, step for step."""
+    full, resumed = read_summary(full_dir), read_summary(resumed_dir)
+    assert resumed["resumed_from"].endswith(f"checkpoint-{checkpoint_step}") and resumed["steps"] == full["steps"]
+    later = {step: loss for step, loss in full["losses"].items() if int(step) > checkpoint_step}
+    assert later and list(resumed["losses"]) == list(later)
+    for step, loss in later.items():
+        assert resumed["losses"][step] == pytest.approx(loss, abs=atol), step
+
+
 @pytest.fixture(scope="session")
 def realworld() -> Path:
     return REALWORLD
@@ -67,3 +87,13 @@ def write_uneven_shards(path: Path, rows: int, readers_per_rank: int = 1) -> Pat
             f.write(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
                                              {"role": "assistant", "content": answer}]}) + "\n")
     return path
+
+
+@pytest.fixture(scope="module")
+def single_rank_group(tmp_path_factory):
+    """A one-process gloo group, for FSDP2 code that needs a process group but no second rank."""
+    assert not dist.is_initialized(), "another test left a process group behind"
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

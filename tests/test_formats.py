@@ -8,21 +8,14 @@ import pytest
 import torch
 from datasets import Dataset
 
+from conftest import reference_recipes
 from sft_recipes.data.formats import alpaca_to_prompt_completion, check_columns
 from sft_recipes.modeling import load_model, load_tokenizer
 from sft_recipes.config import ModelArguments
 from sft_recipes.tiny import ensure_tiny
 
 
-def seed_text(row: dict, eos: str) -> str:
-    """shared/seeds/000 build_dataset.format_example, verbatim."""
-    instruction = row.get("instruction", "")
-    context = row.get("input", "")
-    response = row.get("output", "")
-    prompt = f"### Instruction:\n{instruction}\n\n"
-    if context:
-        prompt += f"### Input:\n{context}\n\n"
-    return f"{prompt}### Response:\n{response}{eos}"
+seed_text = reference_recipes().seed000_text  # shared/seeds/000 build_dataset.format_example, verbatim
 
 
 def test_alpaca_with_input_is_the_seed_string():

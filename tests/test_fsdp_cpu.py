@@ -15,7 +15,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import REPO_ROOT, TINY_LLAMA_RECIPE, bin_path, free_port, launch_sft, read_summary, run_command
+from conftest import (
+    REPO_ROOT, TINY_LLAMA_RECIPE, assert_resume_reproduces, bin_path, free_port, launch_sft, read_summary, run_command,
+)
 
 pytestmark = pytest.mark.fsdp
 
@@ -79,12 +81,7 @@ def test_export_is_a_plain_checkpoint_with_the_trained_logits(runs):
 
 
 def test_resume_from_mid_run_checkpoint_reproduces_later_losses(runs):
-    full = read_summary(runs["root"] / "full")
-    resumed = read_summary(runs["root"] / "two")
-    assert resumed["resumed_from"].endswith(f"checkpoint-{SAVE_EVERY}")
-    assert list(resumed["losses"]) == [str(s) for s in range(SAVE_EVERY + 1, STEPS + 1)]
-    for step, loss in resumed["losses"].items():
-        assert loss == pytest.approx(full["losses"][step], abs=1e-4), step
+    assert_resume_reproduces(runs["root"] / "full", runs["root"] / "two", SAVE_EVERY, atol=1e-4)
 
 
 def test_simulated_two_node_launch(runs, tmp_path):

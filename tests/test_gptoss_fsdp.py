@@ -13,7 +13,6 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 import yaml
 from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file
@@ -21,7 +20,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
-from conftest import CPU_CONFIG, REPO_ROOT, bin_path, free_port, launch_sft, read_summary, run_command
+from conftest import (
+    CPU_CONFIG, REPO_ROOT, assert_resume_reproduces, bin_path, free_port, launch_sft, read_summary, run_command,
+)
 from sft_recipes.config import load_recipe
 from sft_recipes.fsdp_wrap import (
     WRAP_CLASSES_ENV,
@@ -72,15 +73,6 @@ def test_a_class_not_in_the_model_is_an_error_naming_those_that_are(monkeypatch)
 
 
 # ── LoRA layout guard (one process, gloo) ─────────────────────────────────────────────────────
-
-
-@pytest.fixture(scope="module")
-def single_rank_group(tmp_path_factory):
-    assert not dist.is_initialized(), "another test left a process group behind"
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def sharded_lora_model(extra_units=()) -> torch.nn.Module:
@@ -207,12 +199,7 @@ def test_exported_adapter_is_the_trained_one(runs, tmp_path):
 
 @pytest.mark.fsdp
 def test_resume_from_a_checkpoint_continues_the_same_run(runs):
-    full = read_summary(runs["root"] / "run")
-    resumed = read_summary(runs["root"] / "resumed")
-    assert resumed["resumed_from"].endswith(f"checkpoint-{SAVE_EVERY}")
-    assert list(resumed["losses"]) == [str(step) for step in range(SAVE_EVERY + 1, STEPS + 1)]
-    for step, loss in resumed["losses"].items():
-        assert loss == pytest.approx(full["losses"][step], abs=1e-5), step
+    assert_resume_reproduces(runs["root"] / "run", runs["root"] / "resumed", SAVE_EVERY, atol=1e-5)
     original, again = adapter(runs["root"] / "run"), adapter(runs["root"] / "resumed")
     for name, tensor in original.items():
         assert torch.allclose(again[name], tensor, atol=1e-6), name

@@ -10,7 +10,6 @@ import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -362,15 +361,6 @@ class LiveTensorBytes(TorchDispatchMode):
             if isinstance(value, torch.Tensor):
                 self.track(value)
         return out
-
-
-@pytest.fixture(scope="module")
-def single_rank_group(tmp_path_factory):
-    assert not dist.is_initialized(), "another test left a process group behind"
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def measured_peak_bytes(config, setup: TrainingSetup, lora: dict | None = None) -> int:

@@ -12,7 +12,7 @@ from datasets import load_dataset
 from torch.utils.data import DataLoader
 from safetensors import safe_open
 
-from conftest import REPO_ROOT, launch_sft, read_summary, write_uneven_shards
+from conftest import REPO_ROOT, assert_resume_reproduces, launch_sft, read_summary, write_uneven_shards
 from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
 from sft_recipes.data.packing import BlockDiagonalCollator
 from sft_recipes.modeling import load_tokenizer
@@ -90,12 +90,7 @@ def test_resume_of_the_packed_stream_is_exact(packed_run, tmp_path):
     resumed.mkdir()
     shutil.copytree(out / f"checkpoint-{SAVE_EVERY}", resumed / f"checkpoint-{SAVE_EVERY}")
     launch_sft(RECIPE, "--output_dir", str(resumed), "--report_to", "none", "--save_steps", str(SAVE_EVERY))
-    full, again = read_summary(out), read_summary(resumed)
-    assert again["resumed_from"].endswith(f"checkpoint-{SAVE_EVERY}") and again["steps"] == full["steps"]
-    later = {step: loss for step, loss in full["losses"].items() if int(step) > SAVE_EVERY}
-    assert later and list(again["losses"]) == list(later)
-    for step, loss in later.items():
-        assert again["losses"][step] == pytest.approx(loss, abs=1e-4), step
+    assert_resume_reproduces(out, resumed, SAVE_EVERY, atol=1e-4)
 
 
 def test_a_stream_with_nothing_to_learn_fails_on_every_rank(tmp_path):

@@ -71,7 +71,7 @@ def _pack_whole_examples(examples: Iterable[dict[str, list[int]]], max_length: i
     """Each block starts with the oldest waiting example, then takes the longest waiting ones that still fit.
 
     Up to `window` examples wait; `window=1` is plain arrival order. On UltraChat-like data at 8192
-    tokens this fills ~99% of the slots against ~88% in arrival order, as full as TRL's
+    tokens this fills ~99% of the slots against ~88% in arrival order, about as full as TRL's
     best-fit-decreasing over the whole dataset (benchmarks/README.md), yet it streams, and an example
     is never trained more than about `window` examples away from its place in the data.
     """
@@ -206,13 +206,17 @@ class RankLocalBlockStream(TorchIterableDataset):
         consumed = StreamStats()  # conversations read by the tokenizing generator, not yet reported
         for block in pack_blocks(self._tokenized(consumed), self.max_length, self.split_examples,
                                  self.packing_window):
-            stats = StreamStats(consumed.conversations, 1, len(block["input_ids"]), self.max_length,
-                                len(block["labels"]) - block["labels"].count(IGNORE_INDEX), dict(consumed.dropped),
-                                sum(length * length for length in block["seq_lengths"]))
+            stats = StreamStats(
+                conversations=consumed.conversations, blocks=1, real_tokens=len(block["input_ids"]),
+                token_slots=self.max_length,
+                supervised_tokens=len(block["labels"]) - block["labels"].count(IGNORE_INDEX),
+                dropped=dict(consumed.dropped),
+                squared_segment_lengths=sum(length * length for length in block["seq_lengths"]),
+            )
             consumed.conversations, consumed.dropped = 0, {}
             yield {**block, "stream_exhausted": 0, "stream_stats": stats}
         tail = self.exhausted_block()
-        tail["stream_stats"] = StreamStats(consumed.conversations, dropped=dict(consumed.dropped))
+        tail["stream_stats"] = StreamStats(conversations=consumed.conversations, dropped=dict(consumed.dropped))
         yield tail
         while True:
             yield self.exhausted_block()
@@ -242,9 +246,9 @@ class StopWhenAnyRankExhausted(TrainerCallback):
     dataset with nothing to learn), raised before the stopping step is saved or exported.
     """
 
-    def __init__(self, trained: StreamStats | None = None) -> None:
+    def __init__(self, trained: StreamStats) -> None:
         self.exhausted = False
-        self.trained = trained or StreamStats()  # what this rank has trained on so far (the trainer adds to it)
+        self.trained = trained  # what this rank has trained on so far: the trainer adds each batch's counts
 
     def on_step_end(self, args, state, control, **kwargs):
         flags = torch.tensor([float(self.exhausted), float(self.trained.supervised_tokens)], dtype=torch.float64,

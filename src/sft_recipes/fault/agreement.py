@@ -27,13 +27,17 @@ def _agreement_group(timeout_seconds: int) -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
 
 
-def agree_max(value: int, timeout_seconds: int) -> int:
-    """The largest `value` over all ranks; every rank must call it at the same point."""
+def _all_reduce(value: float, dtype: torch.dtype, op: dist.ReduceOp, timeout_seconds: int) -> float | int:
     if world_size() == 1:
         return value
-    tensor = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_agreement_group(timeout_seconds))
-    return int(tensor.item())
+    tensor = torch.tensor([value], dtype=dtype)
+    dist.all_reduce(tensor, op=op, group=_agreement_group(timeout_seconds))
+    return tensor.item()
+
+
+def agree_max(value: int, timeout_seconds: int) -> int:
+    """The largest `value` over all ranks; every rank must call it at the same point."""
+    return int(_all_reduce(value, torch.int64, dist.ReduceOp.MAX, timeout_seconds))
 
 
 def agree_min(value: int, timeout_seconds: int) -> int:
@@ -43,11 +47,7 @@ def agree_min(value: int, timeout_seconds: int) -> int:
 
 def agree_sum(value: float, timeout_seconds: int) -> float:
     """The sum of `value` over all ranks, in float64; every rank must call it at the same point."""
-    if world_size() == 1:
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=_agreement_group(timeout_seconds))
-    return float(tensor.item())
+    return float(_all_reduce(value, torch.float64, dist.ReduceOp.SUM, timeout_seconds))
 
 
 def barrier(timeout_seconds: int) -> None:
