@@ -15,7 +15,7 @@ with labels -100 outside the assistant replies, position ids restarting per exam
   ``packing=True, packing_strategy='bfd'`` and ``assistant_only_loss=True`` -- TRL refuses that for
   a template it has no ``{% generation %}`` copy of, and then it is timed without masks (every token
   trained: a cheaper, different product) -- then TRL's padding-free collator, one packed row at a time.
-* ``ours``: ``RankLocalBlockStream`` (``tokenize_conversations`` + ``pack_blocks``) and
+* ``ours``: ``RankLocalBlockStream`` (``tokenize_conversations`` + ``fill_blocks``) and
   ``BlockDiagonalCollator``, exactly as ``scripts/sft.py`` runs them for ``pack_blocks: true``.
 * ``ours:masking``: the masking stage alone (``tokenize_conversations`` over 256-row batches).
 * ``limit``: the practical limit as the issue defines it -- render each conversation once, then one
@@ -82,7 +82,7 @@ def load_inputs(options: argparse.Namespace, template: str):
     hf_logging.set_verbosity_error()
     tokenizer = standin_tokenizer(template, **options.tokenizer_args)
     if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token  # as sft_recipes.modeling.load_tokenizer does
+        tokenizer.pad_token = tokenizer.eos_token  # as sft_recipes.loading.load_tokenizer does
     dataset = Dataset.from_list([{"messages": c} for c in load_conversations(Path(options.corpus))])
     return tokenizer, dataset
 
@@ -102,7 +102,7 @@ def seed_method(tokenizer, dataset, block: int, rank: int = 0, world_size: int =
 
 def ours_method(tokenizer, dataset, block: int, rank: int = 0, world_size: int = 1) -> tuple[Run, dict]:
     from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
-    from sft_recipes.data.packing import BlockDiagonalCollator
+    from sft_recipes.data.collator import BlockDiagonalCollator
 
     collate = collate_blocks(BlockDiagonalCollator(block, tokenizer.pad_token_id, block_per_row=True))
 
@@ -295,9 +295,9 @@ def label_check(template: str, options: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from reference_recipes import Seed001PackedBlocks
-    from sft_recipes.data.blocks import IGNORE_INDEX, pack_blocks
+    from sft_recipes.data.blocks import IGNORE_INDEX, fill_blocks
     from sft_recipes.data.masking import tokenize_conversations
-    from sft_recipes.data.packing import BlockDiagonalCollator
+    from sft_recipes.data.collator import BlockDiagonalCollator
 
     tokenizer, dataset = load_inputs(options, template)
     block = options.block
@@ -315,7 +315,7 @@ def label_check(template: str, options: argparse.Namespace) -> dict[str, Any]:
         for ids, mask in zip(ours["input_ids"], ours["assistant_masks"])
     ]
     collator = BlockDiagonalCollator(block, tokenizer.pad_token_id, block_per_row=True)
-    ours_blocks = [collator([b]) for b in pack_blocks(examples, block) if len(b["input_ids"]) == block]
+    ours_blocks = [collator([b]) for b in fill_blocks(examples, block) if len(b["input_ids"]) == block]
     seed._tokenize_sft = lambda index: seed_rows[index]  # its packing loop, on the rows tokenized above
     seed_blocks = [b for b, ran_out in seed.blocks({"messages": i} for i in range(len(seed_rows))) if not ran_out]
     same_blocks = 0

@@ -9,7 +9,7 @@
    with the sizes of Llama-3.2-1B (or -3B), bf16, on UltraChat-like conversations tokenized with
    assistant masks (``corpus.py``, Llama-3 stand-in tokenizer). Four runs on the same weights:
    padded batches (``--padded-batch`` conversations padded to the longest) and packed blocks
-   (``pack_blocks`` + ``BlockDiagonalCollator``, ``--blocks-per-step`` x ``--block`` tokens), each
+   (``fill_blocks`` + ``BlockDiagonalCollator``, ``--blocks-per-step`` x ``--block`` tokens), each
    without and with Liger kernels applied the way ``use_liger_kernel=True`` applies them
    (``transformers.integrations.liger.apply_liger_kernel``: fused linear cross-entropy, RMSNorm,
    RoPE, SwiGLU). Reported: real (non-padding) tokens/s after warm-up, MFU against the GPU's dense
@@ -110,11 +110,11 @@ def padded_batches(examples: list[dict], batch_size: int, max_length: int, pad_t
 
 def packed_batches(examples: list[dict], blocks_per_step: int, block: int, pad_token_id: int):
     """``[blocks_per_step, block]`` block-diagonal rows, as the recipes' packed streams build them."""
-    from sft_recipes.data.blocks import pack_blocks
-    from sft_recipes.data.packing import BlockDiagonalCollator
+    from sft_recipes.data.blocks import fill_blocks
+    from sft_recipes.data.collator import BlockDiagonalCollator
 
     collator = BlockDiagonalCollator(block, pad_token_id, block_per_row=True)
-    blocks = [b for b in pack_blocks(examples, block) if len(b["input_ids"]) == block]
+    blocks = [b for b in fill_blocks(examples, block) if len(b["input_ids"]) == block]
     for start in range(0, len(blocks) - blocks_per_step + 1, blocks_per_step):
         step = blocks[start : start + blocks_per_step]
         yield collator(step), [n for b in step for n in b["seq_lengths"]]
@@ -172,7 +172,7 @@ def throughput_rows(options: argparse.Namespace, device) -> tuple[list[list[Any]
     from transformers import LlamaForCausalLM
 
     from sft_recipes.metrics import accelerator_peak_flops
-    from sft_recipes.plan import count_parameters, flops_per_token
+    from sft_recipes.model_math import count_parameters, flops_per_token
 
     config = llama_config(options.model)
     attention = attention_implementation(device)
@@ -224,8 +224,8 @@ def qwen3_5_model():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sft_recipes.models.preflight import shrink_config
-    from sft_recipes.models.registry import PACKING_QUIRKS
+    from sft_recipes.architectures.preflight import shrink_config
+    from sft_recipes.architectures.registry import PACKING_QUIRKS
     from sft_recipes.tiny import real_config_dict
 
     real = dict(real_config_dict("qwen3_5"))
@@ -240,8 +240,8 @@ def qwen3_5_outputs(model, device, lengths: tuple[int, ...]) -> dict[str, Any]:
     """Logits and loss of the packed row, and each example's logits run alone."""
     import torch
 
-    from sft_recipes.data.packing import pack_kwargs
-    from sft_recipes.models.registry import prepare_for_packing
+    from sft_recipes.data.collator import pack_kwargs
+    from sft_recipes.architectures.registry import prepare_for_packing
 
     prepare_for_packing(model)
     model.to(device).eval()
@@ -260,7 +260,7 @@ def qwen3_5_outputs(model, device, lengths: tuple[int, ...]) -> dict[str, Any]:
 def bound_kernels() -> dict[str, bool]:
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    from sft_recipes.models.qwen3_5 import _kernel_bound
+    from sft_recipes.architectures.qwen3_5 import _kernel_bound
 
     return {"causal_conv1d": _kernel_bound(modeling_qwen3_5.causal_conv1d_fn),
             "fla": _kernel_bound(modeling_qwen3_5.torch_chunk_gated_delta_rule)}

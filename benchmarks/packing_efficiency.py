@@ -10,7 +10,7 @@ of ``corpus.py``):
 * alpaca-like rows (the real alpaca rows in data/realworld + data/samples/alpaca.jsonl, in the
   Llama seed's prompt format) at 1024 tokens: the seed's ``padding="max_length"`` (shared/seeds/000),
   dynamic padding (TRL's ``DataCollatorForLanguageModeling``, batch 4), ``trl.pack_dataset`` bfd and
-  bfd_split, ours (``pack_blocks``) splitting examples at block edges and keeping them whole;
+  bfd_split, ours (``fill_blocks``) splitting examples at block edges and keeping them whole;
 * UltraChat-like conversations at 8192 and 32768 tokens: the same, plus the Qwen seed's packing
   loop (shared/seeds/001), which splits like ours but drops the last partial block.
 
@@ -86,11 +86,11 @@ def trl_packing(examples: list[dict[str, list[int]]], block: int, strategy: str,
 
 def ours(examples: list[dict[str, list[int]]], block: int, split_examples: bool, window: int | None = None
          ) -> list[Any]:
-    from sft_recipes.data.blocks import PACKING_WINDOW, pack_blocks
+    from sft_recipes.data.blocks import PACKING_WINDOW, fill_blocks
 
     window = window or PACKING_WINDOW
     rows = real = not_full = last = 0
-    for packed in pack_blocks(examples, block, split_examples=split_examples, window=window):
+    for packed in fill_blocks(examples, block, split_examples=split_examples, window=window):
         rows, last = rows + 1, len(packed["input_ids"])
         real += last
         not_full += last < block

@@ -64,12 +64,12 @@ def strategies(tokenizer, rows: list[dict[str, str]], max_length: int) -> dict[s
     from datasets import Dataset
 
     from reference_recipes import seed000_tokenize
-    from sft_recipes.data.blocks import pack_blocks
-    from sft_recipes.data.packing import BlockDiagonalCollator
+    from sft_recipes.data.blocks import fill_blocks
+    from sft_recipes.data.collator import BlockDiagonalCollator
 
     examples = tokenized_examples(tokenizer, rows, max_length)
     padded = [seed000_tokenize(tokenizer, row, max_length) for row in rows]
-    blocks = list(pack_blocks(examples, max_length, split_examples=True))
+    blocks = list(fill_blocks(examples, max_length, split_examples=True))
     prepared = {"dataset_kwargs": {"skip_prepare_dataset": True}, "remove_unused_columns": False}
     return {
         PADDED: {

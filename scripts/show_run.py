@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from sft_recipes.modeling import model_class_for
+from sft_recipes.loading import model_class_for
 
 
 def main(output_dir: str) -> int:

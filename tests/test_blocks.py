@@ -11,9 +11,9 @@ from datasets import Dataset, load_dataset
 from torch.utils.data import DataLoader
 
 from sft_recipes.data.blocks import (
-    RankLocalBlockStream, StopWhenAnyRankExhausted, StreamStats, collate_blocks, pack_blocks,
+    RankLocalBlockStream, StopWhenAnyRankExhausted, StreamStats, collate_blocks, fill_blocks,
 )
-from sft_recipes.data.packing import BlockDiagonalCollator
+from sft_recipes.data.collator import BlockDiagonalCollator
 from sft_recipes.tiny import build_tokenizer
 
 EXAMPLES = [
@@ -24,7 +24,7 @@ EXAMPLES = [
 
 
 def test_split_examples_fills_every_block_like_the_seed():
-    blocks = list(pack_blocks(EXAMPLES, max_length=4, split_examples=True))
+    blocks = list(fill_blocks(EXAMPLES, max_length=4, split_examples=True))
     assert blocks == [
         {"input_ids": [1, 2, 3, 4], "labels": [-100, 2, 3, -100], "seq_lengths": [3, 1]},
         {"input_ids": [5, 6, 7, 8], "labels": [-100, 6, 7, 8], "seq_lengths": [4]},
@@ -33,7 +33,7 @@ def test_split_examples_fills_every_block_like_the_seed():
 
 
 def test_whole_examples_start_a_new_block_and_long_ones_are_cut():
-    blocks = list(pack_blocks(EXAMPLES, max_length=4, split_examples=False))
+    blocks = list(fill_blocks(EXAMPLES, max_length=4, split_examples=False))
     assert blocks == [
         {"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "seq_lengths": [3]},
         {"input_ids": [4, 5, 6, 7], "labels": [-100, -100, 6, 7], "seq_lengths": [4]},
@@ -43,31 +43,31 @@ def test_whole_examples_start_a_new_block_and_long_ones_are_cut():
 
 def test_whole_examples_fill_each_block_best_fit_from_the_waiting_ones():
     # The oldest example opens the block; the longest waiting one that still fits fills it.
-    assert list(pack_blocks(EXAMPLES, max_length=5, split_examples=False)) == [
+    assert list(fill_blocks(EXAMPLES, max_length=5, split_examples=False)) == [
         {"input_ids": [1, 2, 3, 9, 10], "labels": [-100, 2, 3, 9, 10], "seq_lengths": [3, 2]},
         {"input_ids": [4, 5, 6, 7, 8], "labels": [-100, -100, 6, 7, 8], "seq_lengths": [5]},
     ]
     # A window of one is arrival order: a block takes the next example while it fits.
-    assert [b["seq_lengths"] for b in pack_blocks(EXAMPLES, max_length=5, split_examples=False, window=1)] == [
+    assert [b["seq_lengths"] for b in fill_blocks(EXAMPLES, max_length=5, split_examples=False, window=1)] == [
         [3], [5], [2]]
-    assert [b["seq_lengths"] for b in pack_blocks(EXAMPLES[::-1], max_length=7, split_examples=False, window=1)] == [
+    assert [b["seq_lengths"] for b in fill_blocks(EXAMPLES[::-1], max_length=7, split_examples=False, window=1)] == [
         [2, 5], [3]]
 
 
 def test_best_fit_takes_the_oldest_of_equally_long_examples():
     examples = [{"input_ids": ids, "labels": ids} for ids in ([1, 2], [3], [4], [5, 6, 7])]
-    blocks = list(pack_blocks(examples, max_length=3, split_examples=False))
+    blocks = list(fill_blocks(examples, max_length=3, split_examples=False))
     assert [b["input_ids"] for b in blocks] == [[1, 2, 3], [4], [5, 6, 7]]
 
 
 def test_whole_example_packing_needs_a_window():
     with pytest.raises(ValueError, match="packing_window must be at least 1"):
-        list(pack_blocks(EXAMPLES, max_length=5, split_examples=False, window=0))
+        list(fill_blocks(EXAMPLES, max_length=5, split_examples=False, window=0))
 
 
 def test_collated_blocks_reset_positions_and_mask_segment_starts():
     collate = collate_blocks(BlockDiagonalCollator(max_length=4, pad_token_id=0))
-    blocks = [{**b, "stream_exhausted": 0} for b in pack_blocks(EXAMPLES, max_length=4)]
+    blocks = [{**b, "stream_exhausted": 0} for b in fill_blocks(EXAMPLES, max_length=4)]
     batch = collate(blocks)
     assert batch["input_ids"].tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0], [0, 1, 2, 3], [0, 1, 0, 1]]
@@ -80,7 +80,7 @@ def test_collated_blocks_reset_positions_and_mask_segment_starts():
 def test_whole_example_blocks_keep_a_row_each_in_a_batch():
     # Two partial blocks in one step: each keeps its own row and its examples stay whole.
     collate = collate_blocks(BlockDiagonalCollator(max_length=5, pad_token_id=0, block_per_row=True))
-    blocks = [{**b, "stream_exhausted": 0} for b in pack_blocks(EXAMPLES, max_length=5, split_examples=False, window=1)]
+    blocks = [{**b, "stream_exhausted": 0} for b in fill_blocks(EXAMPLES, max_length=5, split_examples=False, window=1)]
     assert [b["seq_lengths"] for b in blocks] == [[3], [5], [2]]
     batch = collate(blocks)
     assert batch["input_ids"].tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 7, 8], [9, 10, 0, 0, 0]]

@@ -11,10 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 from conftest import TINY_LLAMA_RECIPE, bin_path, run_command
-from sft_recipes.data.formats import alpaca_to_prompt_completion
+from sft_recipes.data.formats import FORMATS, Tokenization, alpaca_to_prompt_completion
 from sft_recipes.data.masking import tokenize_conversations
-from sft_recipes.data.prepare import prepare_train_dataset
-from sft_recipes.data.validation import apply_length_policy, load_checked_dataset
+from sft_recipes.data.report import DataReport
+from sft_recipes.data.sources import load_checked_dataset
 from sft_recipes.tiny import ensure_tiny
 
 REAL_ALPACA = "tatsu-lab__alpaca.stanford_alpaca_pr152_subset300.jsonl"
@@ -135,19 +135,18 @@ def test_length_policy_counts_what_trl_truncates_and_drops(tokenizer, trl_prepar
     targets_left = [sum(label != -100 for label in labels[:max_length]) for labels in prepared["labels"]]
     assert 0 < targets_left.count(0) < len(raw) and truncated > targets_left.count(0)
 
-    report = SimpleNamespace(truncated=0, trainable_tokens=None, drops=[])
-    report.drop = lambda reason, where, row: report.drops.append(reason)
-    kept = apply_length_policy(raw, data_args("x"), SimpleNamespace(max_length=max_length, completion_only_loss=None),
-                               tokenizer, report)
-    assert report.drops == ["no_trainable_tokens"] * targets_left.count(0)
+    alpaca = FORMATS["alpaca"]
+    report = DataReport("x")
+    kept = alpaca.prepare(raw, tokenizer, Tokenization(max_length=max_length), report)
+    assert dict(report.dropped) == {"no_trainable_tokens": targets_left.count(0)}
     assert report.truncated == truncated - targets_left.count(0)
     assert report.trainable_tokens == sum(targets_left)
     assert len(kept) == len(raw) - targets_left.count(0)
+    assert kept.to_list() == [alpaca_to_prompt_completion(row) for row, left in zip(raw, targets_left) if left]
 
-    report.drops, report.truncated = [], 0
-    kept = apply_length_policy(raw, data_args("x", overlong_policy="drop"),
-                               SimpleNamespace(max_length=max_length, completion_only_loss=None), tokenizer, report)
-    assert report.drops.count("overlong") == truncated
+    report = DataReport("x")
+    kept = alpaca.prepare(raw, tokenizer, Tokenization(max_length=max_length, overlong_policy="drop"), report)
+    assert report.dropped["overlong"] == truncated
     assert len(kept) == len(raw) - truncated
 
 
@@ -155,12 +154,10 @@ def test_length_policy_measures_conversations_as_the_masking_renders_them(tokeni
     rows = [json.loads(line) for line in open("data/samples/ultrachat.jsonl").read().splitlines()[:30]]
     lengths = [len(ids) for ids in tokenize_conversations(tokenizer, [row["messages"] for row in rows])["input_ids"]]
     max_length = sorted(lengths)[len(lengths) // 2]
-    report = SimpleNamespace(truncated=0, trainable_tokens=None, drops=[])
-    report.drop = lambda reason, where, row: report.drops.append(reason)
-    kept = apply_length_policy(Dataset.from_list([{"messages": row["messages"]} for row in rows]),
-                               data_args("x", "messages", overlong_policy="drop"),
-                               SimpleNamespace(max_length=max_length, completion_only_loss=None), tokenizer, report)
-    assert report.drops == ["overlong"] * sum(length > max_length for length in lengths)
+    report = DataReport("x")
+    kept = FORMATS["messages"].prepare(Dataset.from_list([{"messages": row["messages"]} for row in rows]), tokenizer,
+                                       Tokenization(max_length=max_length, overlong_policy="drop"), report)
+    assert dict(report.dropped) == {"overlong": sum(length > max_length for length in lengths)}
     assert len(kept) == sum(length <= max_length for length in lengths)
 
 
@@ -173,7 +170,7 @@ def test_a_streamed_local_jsonl_skips_bad_lines_instead_of_failing(tmp_path, cap
     args = data_args(path, dataset_format="messages")
     args.dataset_streaming = True
     dataset, report = load_checked_dataset(args)
-    with caplog.at_level("WARNING", logger="sft_recipes.data.validation"):
+    with caplog.at_level("WARNING", logger="sft_recipes.data.sources"):
         assert report.streamed and [row["messages"] for row in dataset] == [good["messages"], good["messages"]]
     shown = [record.getMessage() for record in caplog.records]
     assert shown == [  # the 1st and the 10th of each reason, with the row
@@ -187,11 +184,11 @@ def test_a_streamed_hub_dataset_drops_and_shows_bad_rows(tmp_path, caplog, monke
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     bad = {"messages": [{"role": "bot", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     stream = Dataset.from_list([good, bad, good]).to_iterable_dataset()
-    monkeypatch.setattr("sft_recipes.data.validation.load_raw_dataset", lambda args: stream)
+    monkeypatch.setattr("sft_recipes.data.sources.load_raw_dataset", lambda args: stream)
     args = data_args("org/chat-data", dataset_format="messages")
     args.dataset_streaming = True
     dataset, report = load_checked_dataset(args)
-    with caplog.at_level("WARNING", logger="sft_recipes.data.validation"):
+    with caplog.at_level("WARNING", logger="sft_recipes.data.sources"):
         assert [row["messages"] for row in dataset] == [good["messages"]] * 2
     assert [record.getMessage() for record in caplog.records] == [
         f"[data] org/chat-data: dropped streamed row (unknown_role, 1 so far in this reader), a row: {json.dumps(bad)}"]
@@ -206,7 +203,7 @@ def test_conversations_dropped_while_masking_reach_the_data_report(tokenizer, tm
     dataset, report = load_checked_dataset(args)
     assert not report.dropped  # structurally fine: only masking at max_length finds the last row empty
     short = len(tokenize_conversations(tokenizer, [rows[0]["messages"]])["input_ids"][0])
-    prepared, _ = prepare_train_dataset(dataset, args, tokenizer, SimpleNamespace(max_length=short), report)
+    prepared = FORMATS["messages"].prepare(dataset, tokenizer, Tokenization(max_length=short), report)
     assert dict(report.dropped) == {"truncated_away": 1} and report.kept == 3 == len(prepared)
     assert report.trainable_tokens == sum(sum(masks) for masks in prepared["assistant_masks"]) > 0
     assert "truncated_away 1" in report.format() and "--audit-data" in report.format()

@@ -8,7 +8,7 @@ from accelerate.state import AcceleratorState
 
 from sft_recipes.distributed import process_group_destroyed_on_exit, verify_distributed
 from sft_recipes.config import ModelArguments
-from sft_recipes.modeling import load_model
+from sft_recipes.loading import load_model
 from sft_recipes.tiny import ensure_tiny
 
 from conftest import free_port

@@ -11,7 +11,7 @@ import sft_recipes.fault.checkpoints as checkpoints
 from conftest import REPO_ROOT, TINY_LLAMA_RECIPE
 from sft_recipes.config import load_recipe
 from sft_recipes.fault.checkpoints import COMPLETION_MARKER, recipe_fingerprint, rotate_checkpoints, write_marker
-from sft_recipes.runs import protect_output_dir, recipe_identity, resolve_resume_checkpoint
+from sft_recipes.fault.resume import protect_output_dir, recipe_identity, resolve_resume_checkpoint
 
 
 def tiny_recipe(*overrides: str):

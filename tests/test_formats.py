@@ -9,8 +9,8 @@ import torch
 from datasets import Dataset
 
 from conftest import reference_recipes
-from sft_recipes.data.formats import alpaca_to_prompt_completion, check_columns
-from sft_recipes.modeling import load_model, load_tokenizer
+from sft_recipes.data.formats import FORMATS, alpaca_to_prompt_completion
+from sft_recipes.loading import load_model, load_tokenizer
 from sft_recipes.config import ModelArguments
 from sft_recipes.tiny import ensure_tiny
 
@@ -43,7 +43,7 @@ def test_every_real_alpaca_row_matches_the_seed(realworld):
 
 def test_missing_column_names_what_is_there():
     with pytest.raises(ValueError, match=r"no column\(s\) \['instruction'\].*it has \['messages', 'output'\]"):
-        check_columns(["messages", "output"], "alpaca", "my/data")
+        FORMATS["alpaca"].check_columns(["messages", "output"], "my/data")
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from sft_recipes.fsdp_wrap import (
     pin_fsdp_wrap_classes,
     resolve_fsdp_wrap_classes,
 )
-from sft_recipes.lora import applied_lora, apply_lora, load_adapter
+from sft_recipes.lora import applied_lora, apply_lora, build_lora_config, load_adapter
 from sft_recipes.tiny import ensure_tiny
 from test_mxfp4 import write_mxfp4_checkpoint
 
@@ -77,7 +77,7 @@ def test_a_class_not_in_the_model_is_an_error_naming_those_that_are(monkeypatch)
 
 def sharded_lora_model(extra_units=()) -> torch.nn.Module:
     """Tiny GPT-OSS + the recipe's LoRA, sharded per decoder layer (accelerate's layout) plus `extra_units`."""
-    model = apply_lora(tiny_gpt_oss(), load_recipe(TWIN).model, seed=0)
+    model = apply_lora(tiny_gpt_oss(), build_lora_config(load_recipe(TWIN).model), seed=0)
     layers = model.base_model.model.model.layers
     for path in extra_units:  # bottom-up, as auto-wrap policies shard
         fully_shard(model.get_submodule(path))
@@ -120,7 +120,7 @@ def test_the_guard_stops_the_first_step_before_peft_fails(single_rank_group):
 
 
 def test_a_model_without_units_for_its_layers_is_refused(single_rank_group):
-    model = apply_lora(tiny_gpt_oss(), load_recipe(TWIN).model, seed=0)
+    model = apply_lora(tiny_gpt_oss(), build_lora_config(load_recipe(TWIN).model), seed=0)
     fully_shard(model)  # one unit: what a wrap policy that matched nothing leaves
     with pytest.raises(RuntimeError, match=r"24 LoRA parameter\(s\).*is in FSDP unit '<root>'"):
         check_lora_fsdp_layout(model, DECODER_LAYER)
@@ -172,7 +172,7 @@ def test_lora_on_experts_trains_under_fsdp2(runs):
 @pytest.mark.fsdp
 def test_every_lora_tensor_changed_with_the_recipe_ranks(runs):
     recipe = load_recipe(TWIN)
-    untrained = get_peft_model_state_dict(apply_lora(tiny_gpt_oss(), recipe.model, seed=recipe.training.seed))
+    untrained = get_peft_model_state_dict(apply_lora(tiny_gpt_oss(), build_lora_config(recipe.model), seed=recipe.training.seed))
     trained = adapter(runs["root"] / "run")
     assert set(trained) == set(untrained) and len(trained) == 24
     unchanged = [name for name, tensor in trained.items() if torch.equal(tensor, untrained[name])]

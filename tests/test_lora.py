@@ -34,7 +34,7 @@ def tiny_gpt_oss() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def lora_model(model_args):
-    return apply_lora(tiny_gpt_oss(), model_args, seed=0)
+    return apply_lora(tiny_gpt_oss(), build_lora_config(model_args), seed=0)
 
 
 def test_recipe_says_everything_peft_can(model_args):
@@ -91,14 +91,14 @@ def test_peft_false_pattern_warning_is_replaced_by_the_real_check(model_args):
         get_peft_model(tiny_gpt_oss(), build_lora_config(model_args))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        apply_lora(tiny_gpt_oss(), model_args, seed=0)
+        apply_lora(tiny_gpt_oss(), build_lora_config(model_args), seed=0)
 
 
 def test_a_pattern_key_that_matches_nothing_is_an_error(model_args):
     recipe = load_recipe(TWIN, {"lora_rank_pattern": {"mlp.experts.up_proj": 8}})
     unmatched = r"lora_rank_pattern key\(s\) \['mlp.experts.up_proj'\] match no LoRA target"
     with pytest.raises(ValueError, match=unmatched) as error:
-        apply_lora(tiny_gpt_oss(), recipe.model, seed=0)
+        apply_lora(tiny_gpt_oss(), build_lora_config(recipe.model), seed=0)
     assert "model.layers.*.mlp.experts.gate_up_proj" in str(error.value)  # names what exists
 
 
@@ -109,8 +109,8 @@ def test_dropout_with_target_parameters_is_a_recipe_error():
 
 
 def test_the_adapter_init_comes_from_the_seed(model_args, lora_model):
-    again = apply_lora(tiny_gpt_oss(), model_args, seed=0)
-    other = apply_lora(tiny_gpt_oss(), model_args, seed=1)
+    again = apply_lora(tiny_gpt_oss(), build_lora_config(model_args), seed=0)
+    other = apply_lora(tiny_gpt_oss(), build_lora_config(model_args), seed=1)
     first, second, third = (get_peft_model_state_dict(m) for m in (lora_model, again, other))
     key = "base_model.model.model.layers.0.mlp.experts.lora_A.weight"
     assert torch.equal(first[key], second[key])  # every rank builds the same adapter
@@ -119,7 +119,7 @@ def test_the_adapter_init_comes_from_the_seed(model_args, lora_model):
 
 def test_adapter_weights_are_found_inside_checkpoint_wrappers(model_args):
     # FSDP activation checkpointing wraps each decoder layer; peft 0.21.2 alone then saves nothing.
-    model = apply_lora(tiny_gpt_oss(), model_args, seed=0)
+    model = apply_lora(tiny_gpt_oss(), build_lora_config(model_args), seed=0)
     layers = model.base_model.model.model.layers
     for index in range(len(layers)):
         layers[index] = checkpoint_wrapper(layers[index])

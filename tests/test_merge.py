@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from conftest import REPO_ROOT
 from sft_recipes import merge
 from sft_recipes.config import load_recipe
-from sft_recipes.lora import apply_lora
+from sft_recipes.lora import apply_lora, build_lora_config
 from sft_recipes.merge import LoraUpdate, merge_checkpoint, merged_weight
 from sft_recipes.tiny import ensure_tiny
 
@@ -52,7 +52,7 @@ def trained_adapter(tmp_path_factory):
     """A tiny GPT-OSS adapter with random non-zero LoRA weights (as if trained), and its peft model."""
     model_args = load_recipe(TWIN).model
     base_dir = ensure_tiny("gpt_oss")
-    peft_model = apply_lora(AutoModelForCausalLM.from_pretrained(base_dir), model_args, seed=0)
+    peft_model = apply_lora(AutoModelForCausalLM.from_pretrained(base_dir), build_lora_config(model_args), seed=0)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():

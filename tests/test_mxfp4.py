@@ -21,9 +21,9 @@ from transformers import AutoModelForCausalLM
 
 from conftest import REPO_ROOT
 from sft_recipes.config import load_recipe
-from sft_recipes.lora import apply_lora
+from sft_recipes.lora import apply_lora, build_lora_config
 from sft_recipes.merge import merge_checkpoint
-from sft_recipes.modeling import load_model, mxfp4_loading
+from sft_recipes.loading import load_model, mxfp4_loading
 from sft_recipes.tiny import ensure_tiny
 
 TWIN = REPO_ROOT / "recipes" / "tiny" / "gptoss120b.yaml"
@@ -119,7 +119,7 @@ def test_dequantize_setting_leaves_a_plain_checkpoint_alone():
 def test_merge_through_mxfp4_shards_equals_peft_on_the_dequantized_model(mxfp4_checkpoint, tmp_path):
     path, known = mxfp4_checkpoint
     dequantized = load_model(twin_args(path, dtype="float32"), str(path))
-    peft_model = apply_lora(dequantized, twin_args(path), seed=0)
+    peft_model = apply_lora(dequantized, build_lora_config(twin_args(path)), seed=0)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():  # as if trained: lora_B is no longer zero
         for param in (p for p in peft_model.parameters() if p.requires_grad):

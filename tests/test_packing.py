@@ -6,7 +6,7 @@ from datasets import Dataset
 from trl import pack_dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from sft_recipes.data.packing import BlockDiagonalCollator, pack_kwargs
+from sft_recipes.data.collator import BlockDiagonalCollator, pack_kwargs
 
 I32 = torch.int32
 

@@ -15,11 +15,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from sft_recipes.data.packing import BlockDiagonalCollator
-from sft_recipes.models import check_packing_leak, prepare_for_packing
-from sft_recipes.models import registry
-from sft_recipes.models.preflight import shrink_config
-from sft_recipes.models.qwen3_5 import install_segment_aware_fallbacks, segment_bounds
+from sft_recipes.data.collator import BlockDiagonalCollator
+from sft_recipes.architectures import check_packing_leak, prepare_for_packing
+from sft_recipes.architectures import registry
+from sft_recipes.architectures.preflight import shrink_config
+from sft_recipes.architectures.qwen3_5 import install_segment_aware_fallbacks, segment_bounds
 from sft_recipes.tiny import DEFAULT_VOCAB_SIZE, real_config_dict, tiny_config
 
 LENGTHS = (11, 6, 9)

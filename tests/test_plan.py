@@ -16,22 +16,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 from trl.trainer.utils import add_fused_lm_head
 
-from sft_recipes.modeling import model_class_for
-from sft_recipes.models.towers import freeze_vision_tower
-from sft_recipes.plan import (
-    GIB,
-    GPUS,
-    MemoryEstimate,
-    TrainingSetup,
-    attention_flops_per_token,
-    count_parameters,
-    estimate_memory,
-    estimate_step_time,
-    flops_per_token,
-    format_plan,
-    load_model_config,
-    make_plan,
-)
+from sft_recipes.loading import model_class_for
+from sft_recipes.architectures.towers import freeze_vision_tower
+from sft_recipes.loading import read_model_config
+from sft_recipes.model_math import GPUS, attention_flops_per_token, count_parameters, flops_per_token
+from sft_recipes.plan import GIB, MemoryEstimate, TrainingSetup, estimate_memory, estimate_step_time, format_plan, make_plan
 from sft_recipes.tiny import REALWORLD_DIR, tiny_config
 
 CONFIGS = REALWORLD_DIR / "model_configs"
@@ -116,8 +105,8 @@ def test_applied_lora_ranks_are_read_back_and_the_false_peft_warning_is_not_pass
 
 
 def test_real_counts_match_the_published_sizes():
-    llama = count_parameters(load_model_config(LLAMA_8B))
-    gpt_oss = count_parameters(load_model_config(GPT_OSS_120B))
+    llama = count_parameters(read_model_config(LLAMA_8B, download=False))
+    gpt_oss = count_parameters(read_model_config(GPT_OSS_120B, download=False))
 
     assert llama.total == 8_030_261_248  # shared/realworld/README.md, an independent dense count
     assert llama.total == pytest.approx(8.03e9, rel=0.01)
@@ -126,7 +115,7 @@ def test_real_counts_match_the_published_sizes():
 
 
 def test_the_vlm_checkpoint_is_built_with_its_vision_tower():
-    config = load_model_config(QWEN_27B)
+    config = read_model_config(QWEN_27B, download=False)
 
     assert model_class_for(config).__name__ == "Qwen3_5ForConditionalGeneration"
     assert count_parameters(config).total == pytest.approx(27.35e9, rel=0.01)  # 26.90B text + vision tower
@@ -146,8 +135,8 @@ def test_a_directory_holding_only_config_json_is_enough(tmp_path):
 
 
 def test_a_bare_json_file_and_a_tiny_stand_in_load():
-    assert load_model_config(str(GPT_OSS_120B)).num_local_experts == 128
-    assert load_model_config("tiny:qwen3_5").get_text_config().hidden_size == 64
+    assert read_model_config(str(GPT_OSS_120B), download=False).num_local_experts == 128
+    assert read_model_config("tiny:qwen3_5", download=False).get_text_config().hidden_size == 64
 
 
 @pytest.mark.parametrize(
@@ -160,7 +149,7 @@ def test_a_bare_json_file_and_a_tiny_stand_in_load():
 )
 def test_unloadable_configs_name_the_fix(tmp_path, make_path, message):
     with pytest.raises(ValueError, match=message):
-        load_model_config(make_path(tmp_path))
+        read_model_config(make_path(tmp_path), download=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,7 +187,7 @@ def test_lora_counts_4n_for_the_frozen_base_and_6_per_trainable_parameter():
 
 def test_the_qwen_seed_step_time_implies_a_plausible_mfu():
     # Seed 001: 8 x B300, one 32768-token block per GPU, "about 8 seconds per step".
-    config = load_model_config(QWEN_27B)
+    config = read_model_config(QWEN_27B, download=False)
     setup = TrainingSetup(world_size=8, micro_batch_size=1, seq_len=32768, mfu=0.4)
 
     at_40_percent = estimate_step_time(config, count_parameters(config), setup, "B300")
@@ -213,7 +202,7 @@ def test_the_qwen_seed_step_time_implies_a_plausible_mfu():
 
 @pytest.fixture(scope="module")
 def qwen_counts():
-    config = load_model_config(QWEN_27B)
+    config = read_model_config(QWEN_27B, download=False)
     return config, count_parameters(config)
 
 
@@ -252,14 +241,14 @@ def test_qwen_8k_blocks_do_not_fit_h100_with_fp32_master_weights(qwen_counts):
 
 
 def test_llama_8b_at_4_x_1024_fits_16_h100():
-    config = load_model_config(LLAMA_8B)
+    config = read_model_config(LLAMA_8B, download=False)
     setup = TrainingSetup(world_size=16, micro_batch_size=4, seq_len=1024, gradient_accumulation_steps=2)
 
     assert make_plan(config, setup).fits["H100"]
 
 
 def test_gpt_oss_120b_lora_fits_8_h100_and_full_fine_tuning_does_not():
-    config = load_model_config(GPT_OSS_120B)
+    config = read_model_config(GPT_OSS_120B, download=False)
     setup = TrainingSetup(
         world_size=8, micro_batch_size=1, seq_len=2048, gradient_accumulation_steps=4, attn_implementation="eager"
     )

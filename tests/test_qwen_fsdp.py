@@ -14,8 +14,8 @@ from safetensors import safe_open
 
 from conftest import REPO_ROOT, assert_resume_reproduces, launch_sft, read_summary, write_uneven_shards
 from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
-from sft_recipes.data.packing import BlockDiagonalCollator
-from sft_recipes.modeling import load_tokenizer
+from sft_recipes.data.collator import BlockDiagonalCollator
+from sft_recipes.loading import load_tokenizer
 from sft_recipes.config import ModelArguments
 from sft_recipes.tiny import ensure_tiny
 

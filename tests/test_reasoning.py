@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 from conftest import REPO_ROOT
 from sft_recipes.config import load_recipe
 from sft_recipes.data.masking import mask_conversations
-from sft_recipes.data.prepare import prepare_train_dataset
+from sft_recipes.data.formats import FORMATS, Tokenization
+from sft_recipes.data.report import DataReport
 from sft_recipes.data.reasoning import check_reasoning_is_trained, supervised_text
 from sft_recipes.tiny import ensure_tiny
 
@@ -63,8 +64,9 @@ def test_rows_without_reasoning_are_the_wrong_dataset(gpt_oss_tokenizer):
 
 def test_reasoning_format_prepares_masked_token_rows(gpt_oss_tokenizer):
     recipe = load_recipe(REPO_ROOT / "recipes" / "tiny" / "gptoss120b.yaml")
-    dataset, collator = prepare_train_dataset(Dataset.from_list([ROW, ROW]), recipe.data, gpt_oss_tokenizer,
-                                              recipe.training)
-    assert collator is None and dataset.column_names == ["input_ids", "assistant_masks"]
+    fmt = FORMATS[recipe.data.dataset_format]
+    dataset = fmt.prepare(Dataset.from_list([ROW, ROW]), gpt_oss_tokenizer,
+                          Tokenization(max_length=recipe.training.max_length), DataReport("rows"))
+    assert fmt.name == "reasoning" and dataset.column_names == ["input_ids", "assistant_masks"]
     first = dataset[0]
     assert "Ich rechne: 3 x 60 = 180." in supervised_text(gpt_oss_tokenizer, first["input_ids"], first["assistant_masks"])

@@ -24,18 +24,20 @@ import yaml
 from trl import ModelConfig, ScriptArguments, SFTConfig
 
 from sft_recipes.data.blocks import PACKING_WINDOW
+from sft_recipes.data.formats import FORMATS
+from sft_recipes.errors import RecipeError
 
-DATASET_FORMATS = ("alpaca", "messages", "reasoning", "text")
+DatasetFormatName = Literal[tuple(FORMATS)]
 
 
 @dataclass
 class DataArguments(ScriptArguments):
     """TRL's dataset arguments plus how rows become training text."""
 
-    dataset_format: Literal["alpaca", "messages", "reasoning", "text"] = field(
+    dataset_format: DatasetFormatName = field(
         default="messages",
-        metadata={"help": "Row schema: 'alpaca' (instruction/input/output), 'messages' (chat), "
-                  "'reasoning' (chat whose assistant turns carry `thinking`, checked to be trained), 'text'."},
+        metadata={"help": "Row schema, one of sft_recipes.data.formats.FORMATS: " + "; ".join(
+            f"'{name}' ({fmt.description})" for name, fmt in FORMATS.items())},
     )
     dataset_revision: str | None = field(default=None, metadata={"help": "Dataset commit/tag to pin."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N rows."})
@@ -151,10 +153,6 @@ class Recipe:
     training: TrainingArguments
     source: Path
     values: dict[str, Any]  # the merged, interpolated key/values, for logging and planning
-
-
-class RecipeError(ValueError):
-    """Bad recipe input; the message lists every problem found, each with its fix."""
 
 
 def _field_owners() -> dict[str, list[type]]:

@@ -16,9 +16,14 @@ import torch
 from accelerate.state import AcceleratorState, DistributedType, PartialState
 
 
+def launch_flag(name: str) -> bool:
+    """A boolean that `accelerate launch` exported from its config file (e.g. FSDP_OFFLOAD_PARAMS)."""
+    return os.environ.get(name, "false").lower() == "true"
+
+
 def fsdp_requested() -> bool:
     """True when the launcher (accelerate config or TrainingArguments.fsdp) asked for FSDP."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    return launch_flag("ACCELERATE_USE_FSDP")
 
 
 def requested_fsdp_version(training_args=None) -> int:

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import datasets
 import torch
-import transformers
-from transformers import TrainerCallback
 from accelerate.utils import broadcast_object_list
 from safetensors import safe_open
+from transformers import AutoConfig
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+from sft_recipes.loading import DTYPES, model_class_for
 
 
 def export_consolidated(trainer, output_dir: str | Path, export_dtype: str = "auto") -> Path:
@@ -57,8 +56,7 @@ def verify_export(trainer, output_dir: str | Path, probe_ids: list[int], atol: f
     """
 
     def reload() -> torch.nn.Module:
-        reloaded_class = getattr(transformers, transformers.AutoConfig.from_pretrained(output_dir).architectures[0])
-        return reloaded_class.from_pretrained(output_dir)
+        return model_class_for(AutoConfig.from_pretrained(output_dir)).from_pretrained(output_dir)
 
     return _compare_with_reloaded(trainer, output_dir, probe_ids, reload, atol)
 
@@ -140,22 +138,6 @@ def _compare_with_reloaded(
             f"{diff:.3g} > {tolerance:g}. Do not use it; re-export from the last checkpoint."
         )
     return diff
-
-
-class AdapterCheckpointCallback(TrainerCallback):
-    """Every checkpoint also holds the adapter in PEFT format (`checkpoint-N/adapter/`).
-
-    FSDP2 checkpoints keep the adapter only as DCP shards (for resume); this makes each one
-    loadable with `PeftModel.from_pretrained` too. Collective, like the save it follows. Give it
-    to the Trainer before the checkpoint-completion callback, so a checkpoint is only marked
-    complete once its adapter is written; `trainer` is set once the Trainer exists.
-    """
-
-    def __init__(self) -> None:
-        self.trainer = None
-
-    def on_save(self, args, state, control, **kwargs):
-        export_adapter(self.trainer, Path(args.output_dir) / f"checkpoint-{state.global_step}" / "adapter")
 
 
 def export_run(trainer, model_args, output_dir: str | Path, load_base: Callable[[], torch.nn.Module]

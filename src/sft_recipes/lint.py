@@ -18,6 +18,7 @@ import torch
 from sft_recipes.batching import derive_gradient_accumulation
 from sft_recipes.config import Recipe, RecipeError
 from sft_recipes.data.formats import CHAT_FORMATS
+from sft_recipes.distributed import launch_flag
 
 
 @dataclass
@@ -39,12 +40,8 @@ class LintContext:
         )
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "false").lower() == "true"
-
-
 def activation_checkpointing_twice(recipe: Recipe, ctx: LintContext) -> str | None:
-    if recipe.training.activation_checkpointing and _env_flag("FSDP_ACTIVATION_CHECKPOINTING"):
+    if recipe.training.activation_checkpointing and launch_flag("FSDP_ACTIVATION_CHECKPOINTING"):
         return ("activation checkpointing is on twice: in the accelerate config (fsdp_activation_checkpointing) and in "
                 "the recipe (activation_checkpointing/gradient_checkpointing, which TRL turns on by default); set "
                 "`activation_checkpointing: false` in the recipe and keep FSDP's")
@@ -77,7 +74,7 @@ def _packs(recipe: Recipe) -> bool:
 
 
 def packing_architecture_needs_our_fixes(recipe: Recipe, ctx: LintContext) -> str | None:
-    from sft_recipes.models import PACKING_QUIRKS
+    from sft_recipes.architectures import PACKING_QUIRKS
 
     t = recipe.training
     config = ctx.model_config if (t.packing or t.padding_free) else None
@@ -89,7 +86,7 @@ def packing_architecture_needs_our_fixes(recipe: Recipe, ctx: LintContext) -> st
 
 
 def hybrid_model_without_reference_kernels(recipe: Recipe, ctx: LintContext) -> str | None:
-    from sft_recipes.models import PACKING_QUIRKS
+    from sft_recipes.architectures import PACKING_QUIRKS
 
     config = ctx.model_config if _packs(recipe) else None
     if config is None:
@@ -98,7 +95,7 @@ def hybrid_model_without_reference_kernels(recipe: Recipe, ctx: LintContext) -> 
     if "linear_attention" in layer_types and config.model_type not in PACKING_QUIRKS:
         return (f"{config.model_type} has linear-attention layers and no segment-aware kernels or reference path here: "
                 "packed examples would share convolution and recurrent state; turn packing off, or add the "
-                "architecture to sft_recipes.models.registry.PACKING_QUIRKS")
+                "architecture to sft_recipes.architectures.registry.PACKING_QUIRKS")
     return None
 
 
@@ -107,7 +104,7 @@ def wrap_class_absent_from_model(recipe: Recipe, ctx: LintContext) -> str | None
     if not wanted or ctx.model_config is None:
         return None
     from sft_recipes.fsdp_wrap import resolve_fsdp_wrap_classes
-    from sft_recipes.plan import build_meta_model
+    from sft_recipes.model_math import build_meta_model
 
     try:  # the meta model has the real module tree, at no memory cost
         resolve_fsdp_wrap_classes(build_meta_model(ctx.model_config), wanted)
@@ -117,7 +114,7 @@ def wrap_class_absent_from_model(recipe: Recipe, ctx: LintContext) -> str | None
 
 
 def cpu_offload_without_accelerator(recipe: Recipe, ctx: LintContext) -> str | None:
-    if _env_flag("FSDP_OFFLOAD_PARAMS") and not ctx.has_accelerator:
+    if launch_flag("FSDP_OFFLOAD_PARAMS") and not ctx.has_accelerator:
         return "fsdp_offload_params needs an accelerator to offload from; set fsdp_offload_params: false on CPU"
     return None
 

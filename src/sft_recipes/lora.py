@@ -67,10 +67,12 @@ def check_lora_arguments(model_args) -> None:
 
 
 def build_lora_config(model_args):
-    """The peft `LoraConfig` the recipe describes (TRL's `get_peft_config` plus the patterns)."""
+    """The peft `LoraConfig` the recipe describes (TRL's `get_peft_config` plus the patterns).
+
+    The arguments were checked when they were parsed (`ModelArguments.__post_init__`).
+    """
     from peft import LoraConfig
 
-    check_lora_arguments(model_args)
     return LoraConfig(
         task_type=model_args.lora_task_type,
         r=model_args.lora_r,
@@ -87,8 +89,9 @@ def build_lora_config(model_args):
     )
 
 
-def apply_lora(model: torch.nn.Module, model_args, seed: int) -> torch.nn.Module:
-    """Wrap `model` with the recipe's LoRA, check the ranks really applied, log them; returns the PeftModel.
+def apply_lora(model: torch.nn.Module, config, seed: int) -> torch.nn.Module:
+    """Wrap `model` with LoRA (`config`: a peft LoraConfig, `build_lora_config`), check the ranks really
+    applied, log them; returns the PeftModel.
 
     The adapter initialisation is drawn from `seed` (not from the global RNG), so every rank builds
     the same adapter and a test can rebuild the untrained one.
@@ -96,7 +99,6 @@ def apply_lora(model: torch.nn.Module, model_args, seed: int) -> torch.nn.Module
     from peft import get_peft_model
 
     see_through_checkpoint_wrappers()
-    config = build_lora_config(model_args)
     with without_false_pattern_warning(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)

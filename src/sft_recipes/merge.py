@@ -66,7 +66,7 @@ def lora_updates(base_dir: str | Path, adapter_dir: str | Path) -> dict[str, Lor
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import LoraLayer, ParamWrapper
 
-    from sft_recipes.modeling import model_class_for
+    from sft_recipes.loading import model_class_for
 
     config = AutoConfig.from_pretrained(base_dir)
     if hasattr(config, "quantization_config"):
@@ -262,7 +262,7 @@ def verify_merge(base_dir: str | Path, adapter_dir: str | Path, merged_dir: str 
     import gc
 
     from sft_recipes.lora import load_adapter
-    from sft_recipes.modeling import model_class_for, mxfp4_loading
+    from sft_recipes.loading import model_class_for, mxfp4_loading
 
     config = AutoConfig.from_pretrained(base_dir)
     input_ids = probe_input_ids(config.get_text_config().vocab_size)

@@ -1,6 +1,6 @@
 """Live throughput: real tokens/s per device, MFU against the accelerator's peak, peak memory.
 
-FLOPs per token come from `sft_recipes.plan.flops_per_token` (6N + attention for full fine-tuning,
+FLOPs per token come from `sft_recipes.model_math.flops_per_token` (6N + attention for full fine-tuning,
 4N + 6 x trainable for a frozen LoRA base), the same function the dry-run planner uses, so the
 planned and the measured MFU are the same quantity.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sft_recipes.plan import GPUS, count_parameters, flops_per_token
+from sft_recipes.model_math import GPUS, count_parameters, flops_per_token
 
 
 def accelerator_peak_flops(device: torch.device) -> tuple[float | None, str]:

@@ -1,9 +1,9 @@
-"""Know before you launch: parameters, FSDP2 memory per GPU, FLOPs and step time from a config alone.
+"""Know before you launch: the FSDP2 memory and time plan of a recipe, and `--dry-run`.
 
-Everything here runs on the CPU in seconds without weights: the model is built on the meta device
-from its ``config.json`` (LoRA applied by peft, also on meta), so parameter counts are exact, and
-memory and time come from the closed-form model documented on each function. The per-token FLOP
-count (`flops_per_token`) is the one function every FLOP and MFU figure of the project uses.
+Runs on the CPU in seconds without weights: counts and FLOPs come from `model_math` (the model on
+the meta device), memory and time from the closed-form model documented on each function.
+`plan_recipe` maps what the launcher and the recipe say (world size, batch, sequence length,
+precision, checkpointing, LoRA) onto `TrainingSetup`; `scripts/sft.py RECIPE --dry-run` prints it.
 
 Memory model, per GPU, FSDP2 full shard over ``world_size`` ranks (bytes, reported in GiB):
 
@@ -47,20 +47,27 @@ from __future__ import annotations
 
 import json
 import math
-import re
-import warnings
-from dataclasses import asdict, dataclass, field
+import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+import yaml
+from transformers import PretrainedConfig
 
-from sft_recipes.modeling import TINY_SCHEME, model_class_for
-from sft_recipes.models.towers import freeze_vision_tower
+from sft_recipes.batching import derive_gradient_accumulation
+from sft_recipes.errors import RecipeError
+from sft_recipes.loading import DTYPES, read_model_config
+from sft_recipes.model_math import (
+    GPU_BY_NAME, GPUS, ParamCounts, attention_flops_per_token, count_parameters, flops_per_token, head_dim,
+    layer_types, num_experts, text_config_of,
+)
 
 if TYPE_CHECKING:
     from peft import LoraConfig
+
+    from sft_recipes.config import Recipe
 
 GIB = 1024**3
 
@@ -82,251 +89,6 @@ GATED_DELTA_CHUNK = 64
 _EAGER_SOFTMAX_IN_COMPUTE_DTYPE = {"gpt_oss"}
 
 LossImplementation = Literal["fused_lm_head", "full_logits"]
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    name: str
-    memory_gib: float  # what torch.cuda.get_device_properties(...).total_memory reports
-    peak_bf16_flops: float  # dense, no sparsity
-
-
-GPUS: tuple[GpuSpec, ...] = (
-    GpuSpec("H100", 79.6, 989e12),  # 81559 MiB
-    GpuSpec("H200", 140.4, 989e12),  # 143771 MiB
-    GpuSpec("B200", 179.1, 2.25e15),  # 183359 MiB
-    GpuSpec("B300", 268.0, 2.25e15),  # 288 GB decimal; torch reports ~268 GiB
-)
-GPU_BY_NAME = {gpu.name: gpu for gpu in GPUS}
-
-
-# --------------------------------------------------------------------------------------------
-# Config and meta model
-
-
-def load_model_config(model_name_or_path: str | Path) -> PretrainedConfig:
-    """The model's config from a local directory (``config.json`` alone is enough), a ``.json`` file,
-    the Hugging Face cache for a Hub id, or ``tiny:<model_type>`` for a tiny stand-in. Never downloads."""
-    if str(model_name_or_path).startswith(TINY_SCHEME):
-        from sft_recipes.tiny import tiny_config
-
-        return tiny_config(str(model_name_or_path)[len(TINY_SCHEME) :])
-    path = Path(model_name_or_path).expanduser()
-    if path.is_file() or path.is_dir():
-        if path.is_dir() and not (path / "config.json").is_file():
-            raise ValueError(
-                f"{path} has no config.json: point model_name_or_path at a model directory or a config file."
-            )
-        return AutoConfig.from_pretrained(str(path))
-    if path.suffix == ".json" or str(model_name_or_path).startswith((".", "/", "~")):
-        raise ValueError(f"Model config {path} does not exist: fix model_name_or_path.")
-    try:
-        return AutoConfig.from_pretrained(str(model_name_or_path), local_files_only=True)
-    except OSError as error:
-        raise ValueError(
-            f"{model_name_or_path} is not in the Hugging Face cache and the planner never downloads: run "
-            f"`hf download {model_name_or_path} config.json` or point model_name_or_path at a local directory."
-        ) from error
-
-
-def build_meta_model(config: PretrainedConfig) -> torch.nn.Module:
-    """The full model, of the class training loads (`model_class_for`), on the meta device: exact
-    shapes, no memory, no weights."""
-    model_class = model_class_for(config)
-    with torch.device("meta"):
-        if issubclass(model_class, PreTrainedModel):
-            return model_class._from_config(config)
-        return model_class.from_config(config)
-
-
-# --------------------------------------------------------------------------------------------
-# Parameter counts
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Exact counts from the meta model. FSDP units are the instances of the model's
-    ``_no_split_modules`` classes (decoder layers, vision blocks); the root holds the rest."""
-
-    total: int
-    trainable: int
-    embedding: int  # input embedding table
-    output_head: int  # LM head weight; 0 when tied to the embedding
-    flop_params: int  # parameters in a matmul per token: text decoder layers (MoE: active share) + LM head
-    decoder_layers: tuple[int, ...]  # parameters of each text decoder layer
-    largest_unit: int  # parameters of the largest FSDP unit
-    largest_unit_trainable: int  # trainable parameters of the unit with the most of them
-    root: int  # parameters outside every FSDP unit (FSDP2 root)
-    root_trainable: int
-    output_head_trainable: bool
-    lora_ranks: dict[str, list[int]] = field(default_factory=dict)  # applied ranks by target, layer index as *
-    lora_targeted_per_layer: int = 0  # largest per-layer sum of parameters targeted by target_parameters
-
-    @property
-    def frozen(self) -> int:
-        return self.total - self.trainable
-
-
-def _text_config(config: PretrainedConfig) -> PretrainedConfig:
-    return config.get_text_config()
-
-
-def _num_experts(text_config: PretrainedConfig) -> int:
-    return getattr(text_config, "num_local_experts", None) or getattr(text_config, "num_experts", None) or 0
-
-
-def _is_expert_parameter(name: str) -> bool:
-    # gpt_oss "mlp.experts.gate_up_proj", mixtral "experts.0.w1.weight"; not "shared_experts"
-    return ".experts." in f".{name}."
-
-
-def _active_layer_params(layer: torch.nn.Module, text_config: PretrainedConfig) -> float:
-    """Parameters one token passes through in this layer: each routed expert is used by top_k of E."""
-    experts = _num_experts(text_config)
-    expert_share = text_config.num_experts_per_tok / experts if experts else 1.0
-    return sum(p.numel() * (expert_share if _is_expert_parameter(n) else 1.0) for n, p in layer.named_parameters())
-
-
-def _fsdp_units(model: torch.nn.Module, no_split: set[str]) -> list[torch.nn.Module]:
-    """Outermost instances of the no-split classes: the modules FSDP2 wraps one by one."""
-    units: list[torch.nn.Module] = []
-    inside: set[int] = set()
-    for module in model.modules():
-        if id(module) in inside:
-            continue
-        if type(module).__name__ in no_split:
-            units.append(module)
-            inside.update(id(sub) for sub in module.modules())
-    return units
-
-
-def _applied_lora(model: torch.nn.Module) -> tuple[dict[str, list[int]], int]:
-    """Ranks peft really applied (by target, layer index as *) and the largest per-layer sum of
-    parameters targeted through ``target_parameters``."""
-    from peft.tuners.lora import LoraLayer, ParamWrapper
-
-    ranks: dict[str, set[int]] = {}
-    targeted_by_layer: dict[str, int] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, LoraLayer):
-            continue
-        target = name.replace(".base_layer", "")
-        if isinstance(module, ParamWrapper):
-            target = f"{target}.{module.parameter_name}"
-            layer = re.match(r"(.*?\.\d+)\.", target)
-            key = layer.group(1) if layer else target
-            targeted_by_layer[key] = targeted_by_layer.get(key, 0) + module.get_param().numel()
-        target = re.sub(r"^base_model\.model\.", "", re.sub(r"\.\d+\.", ".*.", target))
-        ranks.setdefault(target, set()).update(module.r.values())
-    return {t: sorted(r) for t, r in sorted(ranks.items())}, max(targeted_by_layer.values(), default=0)
-
-
-def _apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
-    from peft import get_peft_model
-
-    with warnings.catch_warnings():
-        # peft 0.21 warns that rank_pattern keys for target_parameters "did not match" even when it
-        # applies them; the applied ranks are read back from the modules and reported instead.
-        warnings.filterwarnings("ignore", message=r".*rank_pattern keys did not match.*")
-        with torch.device("meta"):
-            return get_peft_model(model, lora)
-
-
-def count_parameters(config: PretrainedConfig, lora: LoraConfig | None = None) -> ParamCounts:
-    """Exact parameter counts of ``config``'s model built on the meta device, with ``lora`` (a
-    ``peft.LoraConfig``) applied when given. Seconds even for a 120B MoE."""
-    model = build_meta_model(config)
-    freeze_vision_tower(model)  # as scripts/sft.py does: text-only SFT never trains a VLM's vision tower
-    text_config = _text_config(config)
-    decoder = model.get_decoder()
-    embedding = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    tied = head is embedding
-    decoder_layers = tuple(sum(p.numel() for p in layer.parameters()) for layer in decoder.layers)
-    flop_params = round(sum(_active_layer_params(layer, text_config) for layer in decoder.layers)) + head.numel()
-    no_split = set(model._no_split_modules or [])
-
-    if lora is not None:
-        model = _apply_lora(model, lora)
-        lora_ranks, lora_targeted = _applied_lora(model)
-    else:
-        lora_ranks, lora_targeted = {}, 0
-
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    units = _fsdp_units(model, no_split)
-    unit_sizes = [sum(p.numel() for p in unit.parameters()) for unit in units]
-    unit_trainable = [sum(p.numel() for p in unit.parameters() if p.requires_grad) for unit in units]
-    return ParamCounts(
-        total=total,
-        trainable=trainable,
-        embedding=embedding.numel(),
-        output_head=0 if tied else head.numel(),
-        flop_params=flop_params,
-        decoder_layers=decoder_layers,
-        largest_unit=max(unit_sizes, default=0),
-        largest_unit_trainable=max(unit_trainable, default=0),
-        root=total - sum(unit_sizes),
-        root_trainable=trainable - sum(unit_trainable),
-        output_head_trainable=head.requires_grad,
-        lora_ranks=lora_ranks,
-        lora_targeted_per_layer=lora_targeted,
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# FLOPs
-
-
-def _layer_types(text_config: PretrainedConfig) -> list[str]:
-    return list(getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers)
-
-
-def _head_dim(text_config: PretrainedConfig) -> int:
-    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-
-
-def _mean_attended_keys(seq_len: float, window: int | None) -> float:
-    """Keys a query attends on average in a causal row of ``seq_len`` tokens (sliding: ``window``)."""
-    if window is None or window >= seq_len:
-        return (seq_len + 1) / 2
-    return window - window * (window - 1) / (2 * seq_len)
-
-
-def attention_flops_per_token(config: PretrainedConfig, seq_len: float) -> float:
-    """Forward + backward FLOPs of the softmax-attention score and value products for one token.
-
-    Per layer: 12 x (heads x head_dim) x mean keys attended (QK^T and AV, 2 FLOPs per multiply-add,
-    x3 for forward + backward). Causal: a query attends (S + 1) / 2 keys on average, so this is
-    the "12 L h S" term halved; sliding-window layers attend at most ``sliding_window``. Linear
-    (gated-delta) layers have no quadratic term; their projections are in the 6N part.
-    For packed rows pass ``seq_len = sum(L_i^2) / sum(L_i)`` over the documents.
-    """
-    text_config = _text_config(config)
-    q_width = text_config.num_attention_heads * _head_dim(text_config)
-    window = getattr(text_config, "sliding_window", None)
-    flops = 0.0
-    for layer_type in _layer_types(text_config):
-        if layer_type == "full_attention":
-            flops += 12 * q_width * _mean_attended_keys(seq_len, None)
-        elif layer_type == "sliding_attention":
-            flops += 12 * q_width * _mean_attended_keys(seq_len, window)
-    return flops
-
-
-def flops_per_token(config: PretrainedConfig, counts: ParamCounts, seq_len: float) -> float:
-    """Model FLOPs to train on one token (forward + backward), the numerator of every MFU.
-
-    Full fine-tuning: 6N. LoRA (frozen base): 4N (forward 2N + activation gradients 2N, no weight
-    gradients) + 6 x trainable. N counts parameters in a per-token matmul: the text decoder layers,
-    MoE experts at their active share top_k / E, and the LM head; not the embedding lookup, not a
-    vision tower that text-only SFT never runs. Plus `attention_flops_per_token`. Recomputation
-    under activation checkpointing is not model work: an MFU figure absorbs it.
-    """
-    per_param = 4 if counts.lora_ranks else 6
-    lora = 6 * counts.trainable if counts.lora_ranks else 0
-    return per_param * counts.flop_params + lora + attention_flops_per_token(config, seq_len)
-
 
 # --------------------------------------------------------------------------------------------
 # Memory
@@ -409,17 +171,17 @@ def _layer_activations(text_config: PretrainedConfig, layer_type: str, setup: Tr
         widest = conv_dim
     else:
         heads = text_config.num_attention_heads
-        head_dim = _head_dim(text_config)
+        dim = head_dim(text_config)
         kv = getattr(text_config, "num_key_value_heads", None) or heads
-        saved += b * (2 * heads * head_dim + 2 * kv * head_dim) + 4 * heads
-        widest = heads * head_dim
+        saved += b * (2 * heads * dim + 2 * kv * dim) + 4 * heads
+        widest = heads * dim
         if setup.attn_implementation == "eager":
             # fp32 softmax: its output and the cast kept, fp32 + compute-dtype gradients in backward;
             # compute-dtype softmax (gpt_oss): the probabilities kept, two such gradients in backward
             low_precision = text_config.model_type in _EAGER_SOFTMAX_IN_COMPUTE_DTYPE
             scores_saved = heads * setup.seq_len * (b if low_precision else 4 + b)
             scores_working = heads * setup.seq_len * (2 * b if low_precision else 4 + b)
-    experts = _num_experts(text_config)
+    experts = num_experts(text_config)
     if experts:
         expert_intermediate = getattr(text_config, "moe_intermediate_size", None) or text_config.intermediate_size
         top_k = text_config.num_experts_per_tok
@@ -432,8 +194,8 @@ def _layer_activations(text_config: PretrainedConfig, layer_type: str, setup: Tr
 
 
 def _model_layer_activations(config: PretrainedConfig, setup: TrainingSetup) -> list[_LayerActivations]:
-    text_config = _text_config(config)
-    return [_layer_activations(text_config, layer_type, setup) for layer_type in _layer_types(text_config)]
+    text_config = text_config_of(config)
+    return [_layer_activations(text_config, layer_type, setup) for layer_type in layer_types(text_config)]
 
 
 def _held_bytes_per_token(layers: list[_LayerActivations], hidden: int, b: int, checkpointing: bool) -> float:
@@ -448,7 +210,7 @@ def activation_bytes_per_token(config: PretrainedConfig, setup: TrainingSetup, c
     (its saved activations plus its gradient working set); without, every layer keeps all it saved.
     """
     layers = _model_layer_activations(config, setup)
-    hidden, b = _text_config(config).hidden_size, _bytes(setup.compute_dtype)
+    hidden, b = text_config_of(config).hidden_size, _bytes(setup.compute_dtype)
     recomputed = max(layer.saved + layer.working for layer in layers)
     if checkpointing:
         return _held_bytes_per_token(layers, hidden, b, True) + recomputed
@@ -465,7 +227,7 @@ def _loss_buffer_bytes(config: PretrainedConfig, counts: ParamCounts, setup: Tra
     compute dtype (allocated at full width whatever V is) and fp32 gradient accumulators for the
     hidden states (4 T h) and, when the head trains, for the head weight (4 V h).
     """
-    text_config = _text_config(config)
+    text_config = text_config_of(config)
     b = _bytes(setup.compute_dtype)
     tokens, vocab, hidden = setup.tokens_per_micro_batch, text_config.vocab_size, text_config.hidden_size
     final_norm = tokens * hidden * (4 + b)  # the last RMSNorm's fp32 input and output, as in a layer
@@ -533,7 +295,7 @@ def estimate_memory(
     trainable_b = 4 if setup.fp32_master_weights else weights_b
     # FSDP2 casts unsharded gradients to reduce_dtype into a second buffer before reduce-scatter
     gradient_b = compute_b + (reduce_b if reduce_b != compute_b else 0)
-    text_config = _text_config(config)
+    text_config = text_config_of(config)
     tokens, hidden = setup.tokens_per_micro_batch, text_config.hidden_size
     checkpointing = setup.activation_checkpointing
 
@@ -671,7 +433,7 @@ class Plan:
 
 def make_plan(model: PretrainedConfig | str | Path, setup: TrainingSetup, lora: LoraConfig | None = None) -> Plan:
     """Count, estimate memory and time for ``model`` (a config, a local path or a cached Hub id)."""
-    config = model if isinstance(model, PretrainedConfig) else load_model_config(model)
+    config = model if isinstance(model, PretrainedConfig) else read_model_config(model, download=False)
     counts = count_parameters(config, lora)
     memory = estimate_memory(config, counts, setup)
     return Plan(
@@ -744,3 +506,100 @@ def format_plan(plan: Plan) -> str:
             f"{gpu.peak_bf16_flops / 1e12:>14,.0f}{plan.seconds_per_step[gpu.name]:>10.2f}"
         )
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# The recipe and the launcher -> a plan (`--dry-run`)
+
+# What `accelerate launch` exports from a config file, for the rules that read the environment.
+_LAUNCH_ENV = {
+    "fsdp_activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
+    "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS",
+    "fsdp_version": "FSDP_VERSION",
+}
+
+
+def read_accelerate_config(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"accelerate config not found: {path} (see accelerate_configs/).")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def export_launch_environment(accelerate_config: dict) -> None:
+    """Set the variables `accelerate launch --config_file` would, so lint sees the same run."""
+    fsdp = accelerate_config.get("fsdp_config") or {}
+    if accelerate_config.get("distributed_type") == "FSDP":
+        os.environ["ACCELERATE_USE_FSDP"] = "true"
+    for key, env in _LAUNCH_ENV.items():
+        if key in fsdp:
+            os.environ[env] = str(fsdp[key]).lower()
+
+
+def planned_world_size(accelerate_config: dict | None, world_size: int | None) -> int:
+    if world_size:
+        return world_size
+    if accelerate_config and accelerate_config.get("num_processes"):
+        return int(accelerate_config["num_processes"])
+    raise RecipeError("--dry-run needs the world size: pass --config_file accelerate_configs/<config>.yaml or --world_size N.")
+
+
+def training_setup(recipe: Recipe, accelerate_config: dict | None, world_size: int,
+                   dataset_sequences: int | None = None) -> TrainingSetup:
+    m, t = recipe.model, recipe.training
+    fsdp = (accelerate_config or {}).get("fsdp_config") or {}
+    mixed_precision = (accelerate_config or {}).get("mixed_precision", "bf16" if t.bf16 else "no")
+    compute = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
+    accumulation, _ = derive_gradient_accumulation(t, world_size)
+    return TrainingSetup(
+        world_size=world_size,
+        micro_batch_size=t.per_device_train_batch_size,
+        seq_len=t.max_length,
+        gradient_accumulation_steps=accumulation,
+        activation_checkpointing=bool(t.activation_checkpointing or fsdp.get("fsdp_activation_checkpointing")),
+        attn_implementation=m.attn_implementation or "sdpa",
+        weights_dtype=DTYPES.get(m.dtype, torch.float32),
+        compute_dtype=compute,
+        reduce_dtype=DTYPES[t.fsdp_reduce_dtype] if mixed_precision != "no" else torch.float32,
+        fp32_master_weights=mixed_precision != "no" or m.dtype == "float32",
+        dataset_sequences=dataset_sequences,
+    )
+
+
+def plan_recipe(recipe: Recipe, accelerate_config: dict | None, world_size: int,
+                dataset_sequences: int | None = None) -> Plan:
+    lora = None
+    if recipe.model.use_peft:
+        from sft_recipes.lora import build_lora_config
+
+        lora = build_lora_config(recipe.model)
+    config = read_model_config(recipe.model.model_name_or_path, recipe.model.model_revision, download=False)
+    return make_plan(config, training_setup(recipe, accelerate_config, world_size, dataset_sequences), lora)
+
+
+def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None = None,
+                 world_size: int | None = None, plan_json: str | None = None) -> str:
+    """`scripts/sft.py RECIPE --dry-run`: lint the run a launch would make and return its plan, as text.
+
+    RecipeError for anything that stops the plan (the recipe, the launcher's settings, the model's config).
+    """
+    from sft_recipes.config import load_recipe
+    from sft_recipes.lint import LintContext, lint_recipe
+
+    accelerate_config = read_accelerate_config(config_file) if config_file else None
+    if accelerate_config:
+        export_launch_environment(accelerate_config)
+    world_size = planned_world_size(accelerate_config, world_size)
+    recipe = load_recipe(recipe_path, overrides, planning=True)
+    model_args = recipe.model
+    lint_recipe(recipe, LintContext(world_size, not recipe.values.get("use_cpu"), lambda: read_model_config(
+        model_args.model_name_or_path, model_args.model_revision, download=False)))
+    try:
+        plan = plan_recipe(recipe, accelerate_config, world_size)
+    except ValueError as err:  # the model's config, or sizes the planner cannot take
+        raise RecipeError(str(err)) from None
+    text = format_plan(plan)
+    if plan_json:
+        Path(plan_json).write_text(plan.to_json())
+        text += f"\nplan written to {plan_json}"
+    return text

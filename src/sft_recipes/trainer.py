@@ -1,14 +1,18 @@
-"""SFTTrainer plus what it lacks for packed streams: a rank-local dataloader and its stop signal."""
+"""SFTTrainer plus what it lacks: packed streams (a rank-local dataloader and its stop signal), live
+throughput in every log, and LoRA checkpoints loadable as PEFT adapters."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import datasets
 from torch.utils.data import DataLoader
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import SFTTrainer
 
 from sft_recipes.data.blocks import RankLocalBlockStream, StopWhenAnyRankExhausted, StreamStats
+from sft_recipes.export import export_adapter
 from sft_recipes.fault.uneven_shards import EndOfDataTogetherMixin
 from sft_recipes.metrics import ThroughputMeter
 
@@ -23,18 +27,24 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
     every rank read, and tokenize, the whole stream): `get_train_dataloader` serves it directly.
     TRL only accepts `datasets` types, so it is handed a one-block stand-in with dataset
     preparation skipped (the stream is tokenized and packed already).
+
+    With `adapter_checkpoints`, every checkpoint also holds the LoRA adapter in PEFT format
+    (`checkpoint-N/adapter/`): FSDP2 checkpoints keep it only as DCP shards (for resume). It is
+    written inside the save, so the completion marker (an `on_save` callback) comes after it.
     """
 
-    def __init__(self, *args, train_dataset=None, throughput: ThroughputMeter | None = None, **kwargs):
+    def __init__(self, *args, block_stream: RankLocalBlockStream | None = None,
+                 throughput: ThroughputMeter | None = None, adapter_checkpoints: bool = False, **kwargs):
         self.throughput = throughput
-        self.block_stream = train_dataset if isinstance(train_dataset, RankLocalBlockStream) else None
+        self.block_stream = block_stream
+        self.adapter_checkpoints = adapter_checkpoints
         self.exhaustion = None
         self.stream_stats = StreamStats()  # what this rank trained on from the block stream
         if self.block_stream is not None:
             training_args = kwargs["args"]
             training_args.dataset_kwargs = {**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True}
-            train_dataset = datasets.Dataset.from_list([self.block_stream.exhausted_block()])
-        super().__init__(*args, train_dataset=train_dataset, **kwargs)
+            kwargs["train_dataset"] = datasets.Dataset.from_list([self.block_stream.exhausted_block()])
+        super().__init__(*args, **kwargs)
         if self.block_stream is not None:
             self.exhaustion = StopWhenAnyRankExhausted(self.stream_stats)
             self.add_callback(self.exhaustion)
@@ -87,3 +97,9 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
         if exhausted is not None and bool(exhausted):
             self.exhaustion.exhausted = True
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.adapter_checkpoints:  # collective, like the save itself
+            checkpoint = Path(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            export_adapter(self, checkpoint / "adapter")

@@ -34,7 +34,7 @@ TOKENIZE_BATCH = 256
 PACKING_WINDOW = 1024  # examples a whole-example block may choose from (DataArguments.packing_window)
 
 
-def pack_blocks(examples: Iterable[dict[str, list[int]]], max_length: int, split_examples: bool = True,
+def fill_blocks(examples: Iterable[dict[str, list[int]]], max_length: int, split_examples: bool = True,
                 window: int = PACKING_WINDOW) -> Iterator[dict[str, list[int]]]:
     """Fill blocks of `max_length` tokens from a stream of examples.
 
@@ -204,7 +204,7 @@ class RankLocalBlockStream(TorchIterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         consumed = StreamStats()  # conversations read by the tokenizing generator, not yet reported
-        for block in pack_blocks(self._tokenized(consumed), self.max_length, self.split_examples,
+        for block in fill_blocks(self._tokenized(consumed), self.max_length, self.split_examples,
                                  self.packing_window):
             stats = StreamStats(
                 conversations=consumed.conversations, blocks=1, real_tokens=len(block["input_ids"]),

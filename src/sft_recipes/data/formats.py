@@ -1,23 +1,128 @@
-"""Row schemas -> the shapes SFTTrainer trains on.
+"""The dataset-format registry: each `dataset_format` is one object that owns its columns, its row
+rules, how its rows become what SFTTrainer trains on, and the length policy, counted on that output.
 
-Each format names the columns it needs so a wrong dataset fails before any model loads, and turns
-one raw row into TRL's prompt/completion or text form.
+- alpaca: the Llama seed's exact prompt as TRL prompt/completion (TRL tokenizes; completion-only loss);
+- text: plain text (TRL tokenizes);
+- messages: chat conversations, rendered and tokenized once with assistant-only masks (`masking.py`);
+- reasoning: messages whose assistant turns carry `thinking`, checked first to be trained.
+
+Adding a format is adding one entry to `FORMATS`. The rows a format sees have passed its row rules
+(`row_problem`, applied where the rows are read: `sources.py`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
-# Formats trained as chat conversations with assistant-only masks.
-CHAT_FORMATS = ("messages", "reasoning")
+import pyarrow.compute as pc
+from datasets import Dataset
+from transformers import PreTrainedTokenizerBase
 
-# Columns each format reads; the first group must exist, the second may.
-REQUIRED_COLUMNS: dict[str, tuple[set[str], set[str]]] = {
-    "alpaca": ({"instruction", "output"}, {"input"}),
-    "messages": ({"messages"}, set()),
-    "reasoning": ({"messages"}, set()),  # messages whose assistant turns carry `thinking`
-    "text": ({"text"}, set()),
-}
+from sft_recipes.data.masking import KEPT, TRUNCATED_AWAY, tokenize_conversations
+from sft_recipes.data.report import DataReport
+from sft_recipes.data.rows import NO_TRAINABLE_TOKENS, OVERLONG, messages_problem, text_problem
+from sft_recipes.errors import RecipeError
+
+LENGTH_BATCH = 1000
+MASKING_BATCH = 512
+
+
+@dataclass(frozen=True)
+class Tokenization:
+    """How this run turns rows into tokens; decided once by the run (`sft_recipes.run`)."""
+
+    max_length: int | None  # None: never cut (packed blocks split long conversations instead)
+    overlong_policy: str = "truncate"  # rows over max_length: "truncate" (keep the first tokens) or "drop"
+    completion_only_loss: bool | None = None  # TRL's: None means completion-only for prompt/completion
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class DatasetFormat:
+    name: str
+    description: str
+    required: frozenset[str]
+    optional: frozenset[str] = frozenset()
+    chat = False  # conversations with assistant-only masks: auditable and packable into blocks
+
+    @property
+    def columns(self) -> list[str]:
+        """The columns a row of this format is read into (a stray column could break Arrow)."""
+        return sorted(self.required | self.optional)
+
+    def check_columns(self, column_names: list[str] | None, dataset_name: str) -> None:
+        """RecipeError naming the missing columns and the ones the dataset has."""
+        if column_names is None:  # some streamed datasets only know their columns after the first row
+            return
+        missing = sorted(self.required - set(column_names))
+        if missing:
+            raise RecipeError(
+                f"Dataset {dataset_name!r} has no column(s) {missing} needed by dataset_format={self.name!r}; "
+                f"it has {sorted(column_names)}. Pick the dataset_format that matches these columns "
+                f"({', '.join(f'{name}: {sorted(fmt.required)}' for name, fmt in FORMATS.items())}) "
+                "or rename the columns."
+            )
+
+    def row_problem(self, row: dict[str, Any]) -> str | None:
+        """Why `row` cannot be trained on (a `rows.py` reason), or None when it can."""
+        raise NotImplementedError
+
+    def check_trainable(self, rows, tokenizer: PreTrainedTokenizerBase, tokenization: Tokenization) -> None:
+        """RecipeError when the rows, as this run tokenizes them, would not train what the format promises."""
+
+    def prepare(self, rows: Dataset, tokenizer: PreTrainedTokenizerBase, tokenization: Tokenization,
+                report: DataReport) -> Dataset:
+        """The rows as SFTTrainer takes them, after the length policy; drops and trainable tokens go to `report`."""
+        raise NotImplementedError
+
+
+class _TokenizedByTrl(DatasetFormat):
+    """Formats TRL tokenizes itself; lengths are counted the way TRL tokenizes (eos appended)."""
+
+    def texts(self, rows: dict[str, list], eos: str) -> tuple[list[str], list[str] | None]:
+        """(prompt + completion texts, prompt texts or None when there is no prompt) of a batch of rows."""
+        raise NotImplementedError
+
+    def to_trainable(self, rows: Dataset) -> Dataset:
+        return rows
+
+    def _token_counts(self, rows: dict[str, list], tokenizer: PreTrainedTokenizerBase, tokenization: Tokenization
+                      ) -> tuple[list[int], list[int]]:
+        """(tokens, supervised tokens before truncation) per row."""
+        texts, prompts = self.texts(rows, tokenizer.eos_token or "")
+        lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+        if prompts is None or tokenization.completion_only_loss is False:
+            return lengths, lengths
+        prompt_lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]]
+        return lengths, [max(length - prompt, 0) for length, prompt in zip(lengths, prompt_lengths)]
+
+    def prepare(self, rows, tokenizer, tokenization, report):
+        max_length = tokenization.max_length
+        if max_length is not None:
+            rows = self._apply_length_policy(rows, tokenizer, tokenization, report)
+        return self.to_trainable(rows)
+
+    def _apply_length_policy(self, rows: Dataset, tokenizer, tokenization: Tokenization, report: DataReport) -> Dataset:
+        max_length = tokenization.max_length
+        keep, trainable = [], 0
+        for start in range(0, len(rows), LENGTH_BATCH):
+            lengths, supervised = self._token_counts(rows[start : start + LENGTH_BATCH], tokenizer, tokenization)
+            for index, (length, targets) in enumerate(zip(lengths, supervised), start=start):
+                if length > max_length and tokenization.overlong_policy == "drop":
+                    report.drop(OVERLONG, f"row {index} ({length} tokens > max_length {max_length})", rows[index])
+                    continue
+                # keep_start truncation: the supervised tokens are the last `targets` of the row.
+                left = max(min(length, max_length) - (length - targets), 0)
+                if left == 0:
+                    report.drop(NO_TRAINABLE_TOKENS, f"row {index} (every target past max_length {max_length})",
+                                rows[index])
+                    continue
+                trainable += left
+                report.truncated += length > max_length
+                keep.append(index)
+        report.trainable_tokens = trainable
+        return rows.select(keep) if len(keep) < len(rows) else rows
 
 
 def alpaca_prompt(instruction: str, context: str | None) -> str:
@@ -37,15 +142,105 @@ def alpaca_to_prompt_completion(row: dict[str, Any]) -> dict[str, str]:
     return {"prompt": alpaca_prompt(row["instruction"], row.get("input")), "completion": row["output"]}
 
 
-def check_columns(column_names: list[str] | None, dataset_format: str, dataset_name: str) -> None:
-    """ValueError naming the missing columns and the ones the dataset has."""
-    if column_names is None:  # some streamed datasets only know their columns after the first row
-        return
-    required, _ = REQUIRED_COLUMNS[dataset_format]
-    missing = sorted(required - set(column_names))
-    if missing:
-        raise ValueError(
-            f"Dataset {dataset_name!r} has no column(s) {missing} needed by dataset_format={dataset_format!r}; "
-            f"it has {sorted(column_names)}. Pick the dataset_format that matches these columns "
-            f"({', '.join(f'{k}: {sorted(v[0])}' for k, v in REQUIRED_COLUMNS.items())}) or rename the columns."
+def _with_eos(text: str, eos: str) -> str:
+    return text if text.endswith(eos) else text + eos
+
+
+class AlpacaFormat(_TokenizedByTrl):
+    name = "alpaca"
+    description = "instruction/input/output, the Llama seed's prompt, completion-only loss"
+    required = frozenset({"instruction", "output"})
+    optional = frozenset({"input"})
+
+    def row_problem(self, row):
+        return (text_problem(row.get("instruction")) or text_problem(row.get("output"))
+                or text_problem(row.get("input"), required=False))
+
+    def texts(self, rows, eos):
+        pairs = [alpaca_to_prompt_completion(dict(zip(rows, values))) for values in zip(*rows.values())]
+        return ([p["prompt"] + _with_eos(p["completion"], eos) for p in pairs], [p["prompt"] for p in pairs])
+
+    def to_trainable(self, rows):
+        return rows.map(alpaca_to_prompt_completion, remove_columns=rows.column_names)
+
+
+class TextFormat(_TokenizedByTrl):
+    name = "text"
+    description = "plain text, every token trained"
+    required = frozenset({"text"})
+
+    def row_problem(self, row):
+        return text_problem(row.get("text"))
+
+    def texts(self, rows, eos):
+        return [_with_eos(text, eos) for text in rows["text"]], None
+
+
+class ChatFormat(DatasetFormat):
+    name = "messages"
+    description = "chat conversations, assistant-only loss with the model's own chat template"
+    required = frozenset({"messages"})
+    chat = True
+
+    def row_problem(self, row):
+        return messages_problem(row.get("messages"))
+
+    def prepare(self, rows, tokenizer, tokenization, report):
+        """Render and tokenize every conversation once, then cut or drop the overlong ones on that output."""
+        self.check_trainable(rows, tokenizer, tokenization)
+        tokenized = rows.map(
+            lambda batch: tokenize_conversations(tokenizer, batch["messages"], None, **tokenization.template_kwargs),
+            batched=True, batch_size=MASKING_BATCH, remove_columns=rows.column_names,
+            desc="Tokenizing conversations with assistant masks",
         )
+        lengths = pc.list_value_length(tokenized.data.column("input_ids")).to_pylist()
+        dropped, keep = Counter(), []
+        max_length = tokenization.max_length
+        for index, (length, reason) in enumerate(zip(lengths, tokenized["drop_reason"])):
+            if reason != KEPT:
+                dropped[reason] += 1
+            elif max_length is not None and length > max_length and tokenization.overlong_policy == "drop":
+                report.drop(OVERLONG, f"row {index} ({length} tokens > max_length {max_length})", rows[index])
+            else:
+                keep.append(index)
+        kept = tokenized.select(keep)
+        if max_length is not None and any(lengths[index] > max_length for index in keep):
+            kept = kept.map(lambda batch: _truncated(batch, max_length), batched=True, desc="Truncating")
+            cut_away = kept["drop_reason"].count(TRUNCATED_AWAY)
+            report.truncated += sum(lengths[index] > max_length for index in keep) - cut_away
+            if cut_away:
+                dropped[TRUNCATED_AWAY] += cut_away
+                kept = kept.filter(lambda reasons: [r == KEPT for r in reasons], input_columns="drop_reason",
+                                   batched=True)
+        kept = kept.remove_columns("drop_reason")
+        report.count_masking(dict(dropped), supervised_tokens(kept))
+        return kept
+
+
+class ReasoningFormat(ChatFormat):
+    name = "reasoning"
+    description = "chat whose assistant turns carry `thinking`, checked to be trained"
+
+    def check_trainable(self, rows, tokenizer, tokenization):
+        from sft_recipes.data.reasoning import check_reasoning_is_trained
+
+        check_reasoning_is_trained(rows, tokenizer, **tokenization.template_kwargs)
+
+
+def _truncated(batch: dict[str, list], max_length: int) -> dict[str, list]:
+    """Keep the first `max_length` tokens and their mask bits; a row left with no target is `truncated_away`."""
+    ids = [row[:max_length] for row in batch["input_ids"]]
+    masks = [row[:max_length] for row in batch["assistant_masks"]]
+    reasons = [reason if any(mask) else TRUNCATED_AWAY for reason, mask in zip(batch["drop_reason"], masks)]
+    return {"input_ids": ids, "assistant_masks": masks, "drop_reason": reasons}
+
+
+def supervised_tokens(dataset: Dataset) -> int:
+    """Sum of `assistant_masks` over the rows, in Arrow: no token goes through Python."""
+    batches = dataset.with_format("arrow").iter(batch_size=10_000)
+    return sum(pc.sum(pc.list_flatten(batch.column("assistant_masks"))).as_py() or 0 for batch in batches)
+
+
+FORMATS: dict[str, DatasetFormat] = {fmt.name: fmt for fmt in
+                                     (AlpacaFormat(), ChatFormat(), ReasoningFormat(), TextFormat())}
+CHAT_FORMATS = tuple(name for name, fmt in FORMATS.items() if fmt.chat)

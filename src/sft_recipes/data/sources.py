@@ -1,10 +1,29 @@
-"""Open a recipe's dataset from the Hub or a local file/folder, the same way for both."""
+"""Open a recipe's dataset from the Hub or a local file/folder, the same way for both, and keep only
+the rows its `dataset_format` can train on (bad rows counted per reason in a `DataReport`).
+
+A local .jsonl is read line by line, so one bad line is one dropped row, not a failed file (the
+`datasets` json builder fails the whole file, or stream, on one bad line). Streamed datasets are
+filtered lazily by the same row rules; their counts are not known at start, so each reader logs
+bad rows as it meets them (`StreamedRowCheck`).
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from datasets import Dataset, IterableDataset, load_dataset
+
+from sft_recipes.data.formats import FORMATS
+from sft_recipes.data.report import EXCERPT_CHARS, DataReport
+from sft_recipes.data.rows import INVALID_JSON
+from sft_recipes.errors import RecipeError
+
+logger = logging.getLogger(__name__)
 
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -13,18 +32,18 @@ def load_raw_dataset(data_args) -> Dataset | IterableDataset:
     """The training split named by `DataArguments`, streamed when the recipe asks for it."""
     name = data_args.dataset_name
     if not name:
-        raise ValueError("The recipe has no dataset_name: give a Hub dataset id or a local .jsonl/.parquet/.csv path.")
+        raise RecipeError("The recipe has no dataset_name: give a Hub dataset id or a local .jsonl/.parquet/.csv path.")
     split = data_args.dataset_train_split
     path = Path(name)
     if path.is_file():
         builder = LOCAL_BUILDERS.get(path.suffix)
         if builder is None:
-            raise ValueError(f"Cannot read {path}: use one of {sorted(LOCAL_BUILDERS)}.")
+            raise RecipeError(f"Cannot read {path}: use one of {sorted(LOCAL_BUILDERS)}.")
         dataset = load_dataset(builder, data_files={split: str(path)}, split=split, streaming=data_args.dataset_streaming)
     elif path.is_dir():
         dataset = load_dataset(str(path), split=split, streaming=data_args.dataset_streaming)
     elif name.startswith((".", "/")) or path.suffix in LOCAL_BUILDERS:
-        raise ValueError(f"Dataset file not found: {path} (dataset_name). Check the path relative to {Path.cwd()}.")
+        raise RecipeError(f"Dataset file not found: {path} (dataset_name). Check the path relative to {Path.cwd()}.")
     else:
         dataset = load_dataset(
             name,
@@ -39,3 +58,119 @@ def load_raw_dataset(data_args) -> Dataset | IterableDataset:
         else:
             dataset = dataset.select(range(min(data_args.max_train_samples, len(dataset))))
     return dataset
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str]]:
+    """(line number, row or None when the line is not a JSON object, the line) for each non-blank line."""
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            yield number, row if isinstance(row, dict) else None, line.rstrip("\n")
+
+
+def _local_jsonl(data_args) -> Path | None:
+    path = Path(data_args.dataset_name or "")
+    return path if path.suffix == ".jsonl" and path.is_file() else None
+
+
+class StreamedRowCheck:
+    """Keeps the streamed rows a run can train on; shows bad ones as they are read.
+
+    A stream's drop counts are not known at start (nothing reads it up front), so each reader
+    process logs the 1st, 10th, 100th... bad row of each reason, with the row, instead.
+    """
+
+    def __init__(self, source: str, dataset_format: str) -> None:
+        self.source = source
+        self.dataset_format = dataset_format
+        self.dropped: Counter = Counter()
+
+    def keep(self, row: dict[str, Any] | None, where: str, line: str | None = None) -> bool:
+        problem = INVALID_JSON if row is None else FORMATS[self.dataset_format].row_problem(row)
+        if problem is None:
+            return True
+        self.dropped[problem] += 1
+        count = self.dropped[problem]
+        if count == 10 ** (len(str(count)) - 1):  # 1, 10, 100, ...
+            text = line if row is None else json.dumps(row, default=str, ensure_ascii=False)
+            logger.warning("[data] %s: dropped streamed row (%s, %d so far in this reader), %s: %s", self.source,
+                           problem, count, where, text[:EXCERPT_CHARS])
+        return False
+
+    def __call__(self, row: dict[str, Any]) -> bool:  # as a `datasets` filter
+        return self.keep(row, "a row")
+
+
+def _valid_jsonl_rows(path: str, dataset_format: str) -> Iterator[dict[str, Any]]:
+    """The rows of a local .jsonl that a streamed run can train on; bad lines are skipped, not fatal."""
+    columns = FORMATS[dataset_format].columns
+    check = StreamedRowCheck(path, dataset_format)
+    for number, row, line in read_jsonl(Path(path)):
+        if check.keep(row, f"line {number}", line):
+            yield {column: row.get(column) for column in columns}
+
+
+def _streamed_jsonl(path: Path, data_args) -> tuple[IterableDataset, DataReport]:
+    # `datasets`' json builder fails the whole stream on one bad line; read it line by line instead.
+    dataset = IterableDataset.from_generator(
+        _valid_jsonl_rows, gen_kwargs={"path": str(path), "dataset_format": data_args.dataset_format}
+    )
+    if data_args.max_train_samples is not None:
+        dataset = dataset.take(data_args.max_train_samples)
+    report = DataReport(source=str(path))
+    report.streamed = True
+    return dataset, report
+
+
+def _checked_jsonl(path: Path, data_args) -> tuple[Dataset, DataReport]:
+    fmt = FORMATS[data_args.dataset_format]
+    report = DataReport(source=str(path))
+    rows, seen_columns = [], set()
+    for number, row, line in read_jsonl(path):
+        report.rows += 1
+        if row is None:
+            report.drop(INVALID_JSON, f"line {number}", line)
+            continue
+        seen_columns |= row.keys()
+        problem = fmt.row_problem(row)
+        if problem:
+            report.drop(problem, f"line {number}", row)
+            continue
+        rows.append({column: row.get(column) for column in fmt.columns})
+    fmt.check_columns(sorted(seen_columns), data_args.dataset_name)
+    if data_args.max_train_samples is not None:
+        rows = rows[: data_args.max_train_samples]
+    if not rows:
+        report.enforce(0.0)  # raises: nothing is left
+    # Only the format's own columns: a stray column whose type changes between rows would break Arrow.
+    return Dataset.from_list(rows), report
+
+
+def load_checked_dataset(data_args) -> tuple[Dataset | IterableDataset, DataReport]:
+    """The recipe's training rows without bad ones, and the report of what was dropped and why.
+
+    Raises RecipeError when the columns do not fit `dataset_format`.
+    """
+    local = _local_jsonl(data_args)
+    if local is not None:
+        return _streamed_jsonl(local, data_args) if data_args.dataset_streaming else _checked_jsonl(local, data_args)
+    dataset = load_raw_dataset(data_args)
+    fmt = FORMATS[data_args.dataset_format]
+    fmt.check_columns(dataset.column_names, data_args.dataset_name)
+    report = DataReport(source=data_args.dataset_name)
+    if isinstance(dataset, IterableDataset):
+        report.streamed = True
+        return dataset.filter(StreamedRowCheck(data_args.dataset_name, fmt.name)), report
+    problems = [fmt.row_problem(row) for row in dataset]
+    report.rows = len(problems)
+    for index, problem in enumerate(problems):
+        if problem:
+            report.drop(problem, f"row {index}", dataset[index])
+    if report.dropped:
+        dataset = dataset.select([index for index, problem in enumerate(problems) if problem is None])
+    return dataset, report

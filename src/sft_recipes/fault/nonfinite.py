@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
 from sft_recipes.fault.agreement import agree_sum
-from sft_recipes.tracking import mlflow_enabled
+from sft_recipes.reporting.tracking import mlflow_enabled
 
 logger = logging.getLogger(__name__)
 

@@ -70,7 +70,7 @@ def segment_bounds(
         if offsets[-1] != total:
             raise ValueError(
                 f"cu_seq_lens end at {offsets[-1]} but the batch holds {total} tokens; build them from the "
-                "same packed rows (sft_recipes.data.packing.pack_kwargs)."
+                "same packed rows (sft_recipes.data.collator.pack_kwargs)."
             )
         flat_starts = sorted(set(offsets[:-1]) | set(range(0, total, seq_len)))
     flat_ends = [*flat_starts[1:], total]
@@ -91,7 +91,7 @@ def _kernel_bound(transformers_function: Callable) -> bool:
     if _is_installed(transformers_function):
         transformers_function = transformers_function.__wrapped__
     decision = inspect.getclosurevars(transformers_function).nonlocals.get("is_new_implementation")
-    assert decision is not None, "transformers changed how it binds kernels; revisit sft_recipes.models.qwen3_5"
+    assert decision is not None, "transformers changed how it binds kernels; revisit sft_recipes.architectures.qwen3_5"
     return decision
 
 

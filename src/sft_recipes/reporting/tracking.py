@@ -6,11 +6,14 @@ MLFLOW_EXPERIMENT_NAME and MLFLOW_RUN_ID; we only give them defaults and add the
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
+
+from sft_recipes.data.report import DataReport
 
 DEFAULT_STORE = "mlruns.db"
 SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "DATABRICKS_TOKEN", "MLFLOW_TRACKING_TOKEN")
@@ -50,3 +53,26 @@ class RecipeParamsCallback(TrainerCallback):
 
             if mlflow.active_run() is not None:
                 mlflow.log_params(self.params)
+
+
+class DataReportCallback(TrainerCallback):
+    """Write the report to output_dir/data_report.json; log its counts to MLflow as `data.*` params."""
+
+    def __init__(self, report: DataReport) -> None:
+        self.report = report
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        summary = self.report.as_dict()
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        Path(args.output_dir, "data_report.json").write_text(json.dumps(summary, indent=2, default=str))
+        if not mlflow_enabled(args):
+            return
+        import mlflow
+
+        if mlflow.active_run() is not None:
+            mlflow.log_params({
+                "data.rows": summary["rows"], "data.kept": summary["kept"], "data.truncated": summary["truncated"],
+                **{f"data.dropped.{reason}": count for reason, count in summary["dropped"].items()},
+            })

@@ -7,8 +7,8 @@ most decoders) need nothing beyond the packing kwargs; the preflight still check
 ``freeze_vision_tower(model)`` keeps a VLM checkpoint's vision tower out of text-only training.
 """
 
-from sft_recipes.models.preflight import check_packing_leak
-from sft_recipes.models.registry import PACKING_QUIRKS, PackingQuirk, prepare_for_packing
-from sft_recipes.models.towers import freeze_vision_tower
+from sft_recipes.architectures.preflight import check_packing_leak
+from sft_recipes.architectures.registry import PACKING_QUIRKS, PackingQuirk, prepare_for_packing
+from sft_recipes.architectures.towers import freeze_vision_tower
 
 __all__ = ["PACKING_QUIRKS", "PackingQuirk", "check_packing_leak", "freeze_vision_tower", "prepare_for_packing"]

@@ -1,4 +1,4 @@
-"""The registry of packing fixes, keyed by ``model_type``; see ``sft_recipes.models``."""
+"""The registry of packing fixes, keyed by ``model_type``; see ``sft_recipes.architectures``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from sft_recipes.models import gpt_oss, qwen3_5
+from sft_recipes.architectures import gpt_oss, qwen3_5
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ import logging
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from sft_recipes.data.packing import pack_kwargs
-from sft_recipes.models.registry import PACKING_QUIRKS, prepare_for_packing
+from sft_recipes.data.collator import pack_kwargs
+from sft_recipes.architectures.registry import PACKING_QUIRKS, prepare_for_packing
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def check_packing_leak(
             f"Packed examples leak into each other for model_type {config.model_type!r} with attention "
             f"{attention!r}: examples packed in one row differ from the same examples run alone by up to "
             f"{difference:.2e} (tolerance {tolerance:.0e}). Turn packing off for this recipe, or add a fix for "
-            f"{model.config.model_type!r} to sft_recipes.models.registry.PACKING_QUIRKS until this check passes."
+            f"{model.config.model_type!r} to sft_recipes.architectures.registry.PACKING_QUIRKS until this check passes."
         )
     logger.info(
         "packing preflight passed for %s (attention %s, requested %s): max |packed - separate| = %.1e",

@@ -1,0 +1,76 @@
+"""What happened to a dataset's rows: counts per drop reason and the first offending row of each,
+and the refusal when too many were dropped or nothing is left to learn."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+EXCERPT_CHARS = 300
+
+
+@dataclass
+class DataReport:
+    """What happened to the rows: counts per drop reason, the first offending row of each."""
+
+    source: str
+    rows: int = 0  # rows (or lines) read
+    dropped: Counter = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)  # reason -> "where: excerpt"
+    truncated: int = 0
+    trainable_tokens: int | None = None  # None: not counted (streamed, or masked later)
+    streamed: bool = False
+
+    def drop(self, reason: str, where: str, row: Any) -> None:
+        self.dropped[reason] += 1
+        if reason not in self.examples:
+            text = row if isinstance(row, str) else json.dumps(row, default=str, ensure_ascii=False)
+            self.examples[reason] = f"{where}: {text[:EXCERPT_CHARS]}"
+
+    def count_masking(self, dropped: dict[str, int], trainable_tokens: int) -> None:
+        """Add the conversations that assistant-only masking dropped, and the supervised tokens left."""
+        for reason, count in dropped.items():
+            self.dropped[reason] += count
+            self.examples.setdefault(reason, "found while masking (scripts/sft.py RECIPE --audit-data N shows rows)")
+        self.trainable_tokens = trainable_tokens
+
+    @property
+    def kept(self) -> int:
+        return self.rows - sum(self.dropped.values())
+
+    @property
+    def dropped_share(self) -> float:
+        return sum(self.dropped.values()) / self.rows if self.rows else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "rows": self.rows, "kept": self.kept, "dropped": dict(self.dropped),
+                "dropped_share": round(self.dropped_share, 6), "truncated": self.truncated,
+                "trainable_tokens": self.trainable_tokens, "streamed": self.streamed, "examples": self.examples}
+
+    def format(self) -> str:
+        if self.streamed:
+            return (f"[data] {self.source}: streamed; bad rows are dropped as they are read, and logged (the 1st, "
+                    "10th, 100th... of each reason per reader)")
+        reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(self.dropped.items())) or "none"
+        line = (f"[data] {self.source}: {self.rows} rows, kept {self.kept}, dropped {sum(self.dropped.values())} "
+                f"({self.dropped_share:.2%}: {reasons}), truncated {self.truncated}")
+        if self.trainable_tokens is not None:
+            line += f", trainable tokens {self.trainable_tokens}"
+        return "\n".join([line, *(f"  first {reason} row, {example}" for reason, example in sorted(self.examples.items()))])
+
+    def enforce(self, max_dropped_share: float) -> None:
+        """ValueError when too many rows were dropped, or nothing is left to learn from."""
+        if self.streamed:
+            return
+        if self.kept == 0 or self.trainable_tokens == 0:
+            what = "no row is left" if self.kept == 0 else "the rows left have no trainable (supervised) token"
+            raise ValueError(f"Refusing to train: {what}.\n{self.format()}\nFix the dataset (or dataset_format, "
+                             "max_length, completion_only_loss) so that rows carry a target to learn.")
+        if self.dropped_share > max_dropped_share:
+            raise ValueError(
+                f"Refusing to train: {self.dropped_share:.2%} of the rows are bad, more than max_dropped_share="
+                f"{max_dropped_share}.\n{self.format()}\nFix the rows, check dataset_format, or raise "
+                "max_dropped_share if dropping them is intended."
+            )

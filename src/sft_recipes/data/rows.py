@@ -1,0 +1,65 @@
+"""Why a raw row cannot be trained on: the drop reasons, and the rules the formats share.
+
+Each dropped row is counted under the first reason that applies:
+
+- `invalid_json`: a line of a local .jsonl file that is not a JSON object. Local .jsonl files are
+  read line by line (`sources.py`), so one bad line is counted instead of failing the whole file
+  (the `datasets` json loader rejects the file, and also any file whose column changes type).
+- `missing_field`, `not_a_string`, `empty_content`: a required field (alpaca `instruction` /
+  `output`, `text`, `messages`, a message's `role` / `content`) is absent or null, is not a
+  string (not a list, for `messages`), or is blank. alpaca `input` may be empty or absent, and
+  so may a system / developer message's content.
+- `unknown_role`: a message role outside KNOWN_ROLES. `no_assistant_turn`: nothing to learn from.
+- `overlong`: longer than `max_length` tokens with `overlong_policy: drop`. With the default
+  `truncate`, such rows keep their first `max_length` tokens and are counted as truncated; a row
+  whose supervised tokens all fall past the cut is dropped (`no_trainable_tokens`; chat rows:
+  `truncated_away`, the masking's name for it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+INVALID_JSON = "invalid_json"
+MISSING_FIELD = "missing_field"
+NOT_A_STRING = "not_a_string"
+EMPTY_CONTENT = "empty_content"
+UNKNOWN_ROLE = "unknown_role"
+NO_ASSISTANT_TURN = "no_assistant_turn"
+OVERLONG = "overlong"
+NO_TRAINABLE_TOKENS = "no_trainable_tokens"
+
+KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
+OPTIONAL_CONTENT_ROLES = ("system", "developer")
+
+
+def text_problem(value: Any, required: bool = True) -> str | None:
+    if value is None:
+        return MISSING_FIELD if required else None
+    if not isinstance(value, str):
+        return NOT_A_STRING
+    if required and not value.strip():
+        return EMPTY_CONTENT
+    return None
+
+
+def messages_problem(messages: Any) -> str | None:
+    if messages is None:
+        return MISSING_FIELD
+    if not isinstance(messages, list) or not all(isinstance(message, dict) for message in messages):
+        return NOT_A_STRING  # the conversation itself has the wrong type
+    if not messages:
+        return EMPTY_CONTENT
+    for message in messages:
+        problem = text_problem(message.get("role"))
+        if problem:
+            return problem
+        if message["role"] not in KNOWN_ROLES:
+            return UNKNOWN_ROLE
+        # An empty system prompt is a choice; an empty question or reply is a broken row.
+        problem = text_problem(message.get("content"), required=message["role"] not in OPTIONAL_CONTENT_ROLES)
+        if problem or message.get("content") is None:
+            return problem or MISSING_FIELD
+    if not any(message["role"] == "assistant" for message in messages):
+        return NO_ASSISTANT_TURN
+    return None

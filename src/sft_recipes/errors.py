@@ -1,0 +1,29 @@
+"""Refusals a user can fix print one `error:` line and exit 2; only bugs print a traceback.
+
+Every check of user input (the recipe, its data, its output_dir, the launcher's setup) raises
+`RecipeError` with a message that names the problem and the fix. `one_line_refusals` turns it into
+that one line, printed once (by the process of rank 0, or by the only process), and exit status 2
+on every rank: the ranks of a distributed run meet the same refusal, so none is left waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+REFUSED_EXIT_CODE = 2
+
+
+class RecipeError(ValueError):
+    """Bad input a user can fix; the message lists every problem found, each with its fix."""
+
+
+def one_line_refusals(main: Callable[[], int]) -> int:
+    """Run `main`; a RecipeError becomes one `error: ...` line on stderr (rank 0 only) and exit code 2."""
+    try:
+        return main()
+    except RecipeError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return REFUSED_EXIT_CODE

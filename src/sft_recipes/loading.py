@@ -1,0 +1,137 @@
+"""Where a recipe's model comes from: its config (read once, at its revision), tokenizer and weights.
+
+Loading through `config.architectures` (not a fixed AutoModelForCausalLM) is what keeps a VLM-style
+checkpoint such as qwen3_5 whole: the exported model has the architecture that came in.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+TINY_SCHEME = "tiny:"  # "tiny:llama" -> a tiny random stand-in built offline (sft_recipes.tiny)
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def read_model_config(model_name_or_path: str | Path, revision: str | None = None, *,
+                      download: bool = True) -> PretrainedConfig:
+    """The model's config from a local directory (``config.json`` alone is enough), a ``.json`` file, a
+    Hub id (``config.json`` alone, never a weight; from the cache only when ``download`` is False), or
+    ``tiny:<model_type>`` (the stand-in's config without building it)."""
+    name = str(model_name_or_path)
+    if name.startswith(TINY_SCHEME):
+        from sft_recipes.tiny import tiny_config
+
+        return tiny_config(name[len(TINY_SCHEME) :])
+    path = Path(name).expanduser()
+    if path.is_file() or path.is_dir():
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise ValueError(
+                f"{path} has no config.json: point model_name_or_path at a model directory or a config file."
+            )
+        return AutoConfig.from_pretrained(str(path))
+    if path.suffix == ".json" or name.startswith((".", "/", "~")):
+        raise ValueError(f"Model config {path} does not exist: fix model_name_or_path.")
+    try:
+        return AutoConfig.from_pretrained(name, revision=revision, local_files_only=not download)
+    except OSError as error:
+        if download:
+            raise
+        raise ValueError(
+            f"{name} is not in the Hugging Face cache and the planner never downloads: run "
+            f"`hf download {name} config.json` or point model_name_or_path at a local directory."
+        ) from error
+
+
+def resolve_model_path(model_name_or_path: str) -> str:
+    if model_name_or_path.startswith(TINY_SCHEME):
+        from sft_recipes.tiny import ensure_tiny
+
+        return ensure_tiny(model_name_or_path[len(TINY_SCHEME) :])
+    return model_name_or_path
+
+
+def model_class_for(config) -> type[PreTrainedModel]:
+    """The class the checkpoint was saved from (e.g. Qwen3_5ForConditionalGeneration)."""
+    for name in config.architectures or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModelForCausalLM
+
+
+def load_tokenizer(model_args, model_path: str | None = None) -> PreTrainedTokenizerBase:
+    path = model_path or resolve_model_path(model_args.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision)
+    if tokenizer.pad_token is None:
+        # Base checkpoints (Llama-3.1-8B) ship no pad token. Padding never reaches the loss: the
+        # collator sets labels to -100 on every padded position, whatever token fills them.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def mxfp4_loading(config, dequantize_mxfp4: bool, path: str) -> transformers.Mxfp4Config | None:
+    """`Mxfp4Config(dequantize=True)` for an MXFP4 checkpoint (gpt-oss), None for any other.
+
+    MXFP4 weights cannot be trained (no gradients through the packed FP4 kernels), so an MXFP4
+    checkpoint without `dequantize_mxfp4` is refused rather than loaded frozen or left to
+    transformers' hardware-dependent fallback.
+    """
+    quantization = getattr(config, "quantization_config", None) or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+    if method != "mxfp4":
+        return None
+    if not dequantize_mxfp4:
+        raise ValueError(
+            f"{path} is an MXFP4-quantized checkpoint, which cannot be trained as it is: set `dequantize_mxfp4: true` "
+            "in the recipe to load it dequantized to `dtype` (bfloat16 for gpt-oss)."
+        )
+    return transformers.Mxfp4Config(dequantize=True)
+
+
+def load_model(model_args, model_path: str | None = None, config: PretrainedConfig | None = None) -> PreTrainedModel:
+    path = model_path or resolve_model_path(model_args.model_name_or_path)
+    config = config or AutoConfig.from_pretrained(path, revision=model_args.model_revision)
+    dtype = model_args.dtype if model_args.dtype in (None, "auto") else DTYPES[model_args.dtype]
+    model = model_class_for(config).from_pretrained(
+        path,
+        revision=model_args.model_revision,
+        dtype=dtype,
+        attn_implementation=model_args.attn_implementation,
+        quantization_config=mxfp4_loading(config, model_args.dequantize_mxfp4, path),
+    )
+    # A KV cache is useless in training and disables transformers' packed-sequence detection.
+    model.config.use_cache = False
+    if hasattr(model.config, "text_config"):
+        model.config.get_text_config().use_cache = False
+    return model
+
+
+class ModelSource:
+    """The recipe's model: its config read once (at `model_revision`), its local path, its tokenizer
+    and weights. A `tiny:` stand-in is built on first use of `path` (by the caller's main process first)."""
+
+    def __init__(self, model_args) -> None:
+        self.model_args = model_args
+
+    @cached_property
+    def config(self) -> PretrainedConfig:
+        return read_model_config(self.model_args.model_name_or_path, self.model_args.model_revision)
+
+    @cached_property
+    def path(self) -> str:
+        return resolve_model_path(self.model_args.model_name_or_path)
+
+    def ensure_files(self) -> str:
+        """The local path, a `tiny:` stand-in built there first if it is not yet."""
+        return self.path
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase:
+        return load_tokenizer(self.model_args, self.path)
+
+    def load_model(self) -> PreTrainedModel:
+        return load_model(self.model_args, self.path, self.config)

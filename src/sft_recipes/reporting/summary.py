@@ -1,0 +1,83 @@
+"""What a run reports about itself: per-step losses and timing, `run_summary.json` and its closing line."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+
+class RunSummaryCallback(TrainerCallback):
+    """Collect per-step losses and timing on rank 0 for run_summary.json and the closing line."""
+
+    def __init__(self, tracking_uri: str | None = None) -> None:
+        self.tracking_uri = tracking_uri  # MLflow's, when the run reports there
+        self.losses: dict[int, float] = {}
+        self.first_step: int | None = None
+        self.last_step = 0
+        self._step_started = 0.0
+        self.step_seconds: list[float] = []
+        self.mlflow_run_id: str | None = None
+        self.last_metrics: dict[str, float] = {}  # the newest throughput/packing figures logged
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and "mlflow" in (args.report_to or []):
+            import mlflow  # MLflowCallback, earlier in the callback list, has started the run
+
+            run = mlflow.active_run()
+            self.mlflow_run_id = run.info.run_id if run else None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._step_started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_seconds.append(time.perf_counter() - self._step_started)
+        if self.first_step is None:
+            self.first_step = state.global_step
+        self.last_step = state.global_step
+        if state.global_step >= state.max_steps:  # the final step's loss is always logged, whatever logging_steps
+            control.should_log = True
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses[state.global_step] = float(logs["loss"])
+        for key in ("packing_efficiency", "tokens_per_second_per_device", "mfu", "peak_memory_gib"):
+            if logs and key in logs:
+                self.last_metrics[key] = float(logs[key])
+
+    def finish(self, train_seconds: float, output_dir: Path, logit_diff: float | None, resumed_from: str | None,
+               distributed: str) -> dict[str, Any]:
+        steps_run = len(self.step_seconds)
+        return {
+            "distributed": distributed,
+            "steps": self.last_step,
+            "steps_this_run": steps_run,
+            "resumed_from": resumed_from,
+            "train_seconds": round(train_seconds, 3),
+            "seconds_per_step": round(sum(self.step_seconds) / steps_run, 4) if steps_run else None,
+            "final_loss": self.losses[max(self.losses)] if self.losses else None,
+            "losses": {str(step): loss for step, loss in sorted(self.losses.items())},
+            "packing_efficiency": self.last_metrics.get("packing_efficiency"),
+            "tokens_per_second_per_device": self.last_metrics.get("tokens_per_second_per_device"),
+            "mfu": self.last_metrics.get("mfu"),
+            "peak_memory_gib": self.last_metrics.get("peak_memory_gib"),
+            "checkpoint": str(output_dir),
+            "export_max_logit_diff": logit_diff,
+            "mlflow_tracking_uri": self.tracking_uri,
+            "mlflow_run_id": self.mlflow_run_id,
+        }
+
+    @staticmethod
+    def closing_line(report: dict[str, Any]) -> str:
+        loss = f"{report['final_loss']:.4f}" if report["final_loss"] is not None else "n/a"
+        per_step = f"{report['seconds_per_step']:.2f}s/step" if report["seconds_per_step"] else "n/a"
+        speed = report["tokens_per_second_per_device"]
+        throughput = f", {speed:,.0f} tokens/s/device" if speed else ""
+        mfu = f", MFU {report['mfu']:.1%}" if report["mfu"] else ""
+        return (
+            f"[train] {report['steps']} steps in {report['train_seconds']:.1f}s ({per_step}{throughput}{mfu}), "
+            f"final loss={loss} | checkpoint: {report['checkpoint']}"
+        )

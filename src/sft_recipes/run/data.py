@@ -1,0 +1,64 @@
+"""Rows -> what the trainer trains on: the train dataset (or packed block stream), its collator, the report."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from datasets import Dataset, IterableDataset
+from trl.trainer.utils import global_then_local_main_first
+
+from sft_recipes.data.audit import audit_dataset, format_report
+from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
+from sft_recipes.data.collator import BlockDiagonalCollator
+from sft_recipes.data.formats import CHAT_FORMATS
+from sft_recipes.data.report import DataReport
+from sft_recipes.data.sources import load_checked_dataset
+from sft_recipes.errors import RecipeError
+from sft_recipes.run.setup import Run
+
+
+@dataclass
+class RunData:
+    train: Dataset | IterableDataset | None  # what TRL prepares; None when the run trains on `block_stream`
+    block_stream: RankLocalBlockStream | None  # this rank's packed blocks (`pack_blocks: true`)
+    collator: Callable | None  # the one that goes with the blocks; None: TRL's own
+    report: DataReport
+
+
+def build_data(run: Run, tokenizer) -> RunData:
+    """Read the rows (bad ones dropped and counted), turn them into tokens + labels through their format,
+    and refuse to train when too many were dropped or nothing is left to learn."""
+    data_args, training = run.recipe.data, run.recipe.training
+    rows, report = load_checked_dataset(data_args)
+    fmt, tokenization = run.data_format, run.tokenization
+    train, block_stream, collator = None, None, None
+    with global_then_local_main_first():  # prepared once per datasets cache (shared or node-local), not per rank
+        fmt.check_trainable(rows, tokenizer, tokenization)
+        if run.packs_blocks:  # each rank (x dataloader worker) reads and tokenizes its own shard
+            block_stream = RankLocalBlockStream(
+                rows, tokenizer, training.max_length, training.process_index, training.world_size,
+                split_examples=data_args.split_examples, template_kwargs=tokenization.template_kwargs,
+                packing_window=data_args.packing_window,
+            )
+            collator = collate_blocks(BlockDiagonalCollator(training.max_length, tokenizer.pad_token_id,
+                                                            block_per_row=True))
+        else:
+            train = fmt.prepare(rows, tokenizer, tokenization, report)
+    if run.is_main:
+        print(report.format(), flush=True)
+    report.enforce(data_args.max_dropped_share)
+    return RunData(train=train, block_stream=block_stream, collator=collator, report=report)
+
+
+def audit_data(run: Run, tokenizer, n: int) -> str:
+    """`--audit-data N`: N conversations with their supervised spans marked, and the mask statistics."""
+    if not run.data_format.chat:
+        raise RecipeError(
+            f"--audit-data shows chat assistant masks, and {run.recipe.source} has dataset_format: "
+            f"{run.data_format.name}; use it with a chat recipe (dataset_format one of {list(CHAT_FORMATS)})."
+        )
+    rows, _ = load_checked_dataset(run.recipe.data)
+    tokenization = run.tokenization
+    return format_report(audit_dataset(rows, tokenizer, n, max_length=tokenization.max_length,
+                                       **tokenization.template_kwargs))

@@ -1,0 +1,39 @@
+"""The model a run trains: loaded, a VLM's vision tower frozen, packing fixes, LoRA, FSDP2 guards."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from sft_recipes.architectures import check_packing_leak, freeze_vision_tower, prepare_for_packing
+from sft_recipes.fsdp_wrap import guard_lora_fsdp_layout, pin_fsdp_wrap_classes
+from sft_recipes.lora import apply_lora, build_lora_config
+from sft_recipes.run.setup import Run
+
+logger = logging.getLogger("sft")
+
+
+@dataclass
+class RunModel:
+    model: torch.nn.Module
+    lora_config: object | None  # the peft LoraConfig applied, built once; None for full fine-tuning
+    wrap_classes: list[str]  # the FSDP2 unit classes, from the model itself
+
+
+def build_model(run: Run) -> RunModel:
+    model_args, training = run.recipe.model, run.recipe.training
+    if run.packs_blocks:  # seconds on a tiny copy: refuse an architecture that would leak
+        check_packing_leak(run.source.config, model_args.attn_implementation)
+    model = run.source.load_model()
+    if frozen := freeze_vision_tower(model):  # text-only SFT of a VLM checkpoint: kept, exported, not trained
+        logger.info("vision tower frozen (%s parameters): text-only data never updates it", f"{frozen:,}")
+    if run.packs_blocks:
+        prepare_for_packing(model)
+    wrap_classes = pin_fsdp_wrap_classes(model, training.fsdp_wrap_classes)  # from the model, not guesses
+    lora_config = build_lora_config(model_args) if model_args.use_peft else None
+    if lora_config is not None:
+        model = apply_lora(model, lora_config, seed=training.seed)  # logs the ranks really applied
+        guard_lora_fsdp_layout(model, wrap_classes)  # at the first step: LoRA sharded with its decoder layer
+    return RunModel(model=model, lora_config=lora_config, wrap_classes=wrap_classes)

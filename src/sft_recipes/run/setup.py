@@ -1,0 +1,68 @@
+"""The decisions a run makes once, from the recipe and the launcher, before anything heavy loads."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import cached_property
+
+from sft_recipes.batching import derive_gradient_accumulation
+from sft_recipes.config import Recipe
+from sft_recipes.data.formats import FORMATS, DatasetFormat, Tokenization
+from sft_recipes.distributed import enable_cpu_fsdp, launched_world_size
+from sft_recipes.fault.collective_timeout import bound_collective_waits
+from sft_recipes.fault.resume import protect_output_dir
+from sft_recipes.lint import LintContext, lint_recipe
+from sft_recipes.loading import ModelSource
+
+logger = logging.getLogger("sft")
+
+
+@dataclass
+class Run:
+    """One run's recipe and the decisions derived from it; every later step reads them from here."""
+
+    recipe: Recipe
+    source: ModelSource  # the model's config, read once at its revision, and where its files are
+    batch_derivation: str  # how gradient accumulation follows from the global batch, every factor shown
+
+    @property
+    def is_main(self) -> bool:
+        return self.recipe.training.process_index == 0
+
+    @property
+    def packs_blocks(self) -> bool:
+        """Conversations stream per rank into block-diagonal blocks (`pack_blocks`), instead of TRL's dataset."""
+        return self.recipe.data.pack_blocks
+
+    @cached_property
+    def data_format(self) -> DatasetFormat:
+        return FORMATS[self.recipe.data.dataset_format]
+
+    @cached_property
+    def tokenization(self) -> Tokenization:
+        data, training = self.recipe.data, self.recipe.training
+        return Tokenization(
+            max_length=None if self.packs_blocks else training.max_length,  # packing splits long rows, never cuts
+            overlong_policy=data.overlong_policy,
+            completion_only_loss=training.completion_only_loss,
+            template_kwargs=dict(data.chat_template_kwargs or {}),
+        )
+
+
+def start_run(recipe: Recipe) -> Run:
+    """Lint against the launcher and the model's config, derive the global batch, make FSDP2 real on
+    CPU too, bound every collective wait, keep output_dir to one recipe, and have the model's files ready."""
+    source = ModelSource(recipe.model)
+    lint_recipe(recipe, LintContext.from_environment(lambda: source.config))
+    training = recipe.training
+    training.gradient_accumulation_steps, derivation = derive_gradient_accumulation(training, launched_world_size())
+    enable_cpu_fsdp()  # before the Trainer creates its Accelerator: FSDP2 on CPU too
+    bound_collective_waits(training)  # a dead or hung rank fails the others within ddp_timeout
+    protect_output_dir(recipe, training)  # never mix two recipes' checkpoints
+    with training.main_process_first(local=False, desc="model files"):
+        source.ensure_files()  # a tiny stand-in is built once, by the main process
+    run = Run(recipe=recipe, source=source, batch_derivation=derivation)
+    if run.is_main:
+        logger.info("recipe %s -> output_dir %s; %s", recipe.source, training.output_dir, derivation)
+    return run
