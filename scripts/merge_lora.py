@@ -19,11 +19,8 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
-
+from sft_recipes.loading import DTYPES
 from sft_recipes.merge import merge_checkpoint, verify_merge
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def parse_command_line(argv: list[str]) -> argparse.Namespace:
@@ -31,7 +28,7 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("adapter_dir", type=Path, help="PEFT adapter (adapter_config.json + adapter_model.safetensors)")
     parser.add_argument("out_dir", type=Path, help="where the merged checkpoint goes (must not exist)")
     parser.add_argument("--base", help="base checkpoint dir or Hub id (default: the adapter's base_model_name_or_path)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the merged weights")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dtype of the merged weights")
     parser.add_argument("--device-map", default=None, help="where the logit check runs, e.g. auto (default: CPU)")
     return parser.parse_args(argv)
 

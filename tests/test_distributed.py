@@ -7,6 +7,7 @@ import torch.distributed as dist
 from accelerate.state import AcceleratorState
 
 from sft_recipes.distributed import process_group_destroyed_on_exit, verify_distributed
+from sft_recipes.errors import RecipeError
 from sft_recipes.config import ModelArguments
 from sft_recipes.loading import load_model
 from sft_recipes.tiny import ensure_tiny
@@ -39,7 +40,7 @@ def test_fsdp_requested_but_not_active_is_refused(make_trainer, monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(RuntimeError, match="the accelerate config asks for FSDP but the trainer runs NO"):
+    with pytest.raises(RecipeError, match="the accelerate config asks for FSDP but the trainer runs NO"):
         verify_distributed(make_trainer())
 
 
@@ -48,7 +49,7 @@ def test_process_training_alone_is_refused(make_trainer, monkeypatch):
     # N-process launch trains alone on the full data, and exits 0.
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 processes but the trainer sees num_processes=1"):
+    with pytest.raises(RecipeError, match=r"WORLD_SIZE=2 processes but the trainer sees num_processes=1"):
         verify_distributed(make_trainer(use_cpu=False))
 
 

@@ -14,6 +14,7 @@ import os
 
 import torch
 from accelerate.state import AcceleratorState, DistributedType, PartialState
+from sft_recipes.errors import RecipeError
 
 
 def launch_flag(name: str) -> bool:
@@ -107,7 +108,7 @@ def verify_distributed(trainer) -> str:
                 "these recipes need FSDP2 (fsdp_version: 2)"
             )
     if problems:
-        raise RuntimeError(
+        raise RecipeError(
             "Refusing to train: " + "; ".join(problems) + ". Launch with `accelerate launch --config_file "
             "accelerate_configs/<config>.yaml scripts/sft.py RECIPE` (on CPU, scripts/sft.py enables FSDP "
             "through sft_recipes.distributed.enable_cpu_fsdp), and check num_processes/num_machines there."

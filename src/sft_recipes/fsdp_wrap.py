@@ -19,6 +19,7 @@ import logging
 import os
 
 import torch
+from sft_recipes.errors import RecipeError
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +41,13 @@ def resolve_fsdp_wrap_classes(model: torch.nn.Module, recipe_classes: list[str] 
         classes, source = list(getattr(model, "_no_split_modules", None) or []), "the model's _no_split_modules"
     present = sorted({type(module).__name__ for module in model.modules()})
     if not classes:
-        raise ValueError(
+        raise RecipeError(
             f"{type(model).__name__} declares no _no_split_modules, so FSDP does not know its decoder layer: set "
             f"`fsdp_wrap_classes: [...]` in the recipe to the repeated block class, one of: {', '.join(present)}."
         )
     missing = [name for name in classes if name not in present]
     if missing:
-        raise ValueError(
+        raise RecipeError(
             f"FSDP wrap class(es) {missing} from {source} are not in {type(model).__name__}; its module classes "
             f"are: {', '.join(present)}. Name the decoder layer class (or drop the setting to use the model's own)."
         )

@@ -8,7 +8,6 @@ lora_dropout with target_parameters) live in that dataclass's __post_init__ and 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -18,7 +17,7 @@ import torch
 from sft_recipes.batching import derive_gradient_accumulation
 from sft_recipes.config import Recipe, RecipeError
 from sft_recipes.data.formats import CHAT_FORMATS
-from sft_recipes.distributed import launch_flag
+from sft_recipes.distributed import launch_flag, launched_world_size
 
 
 @dataclass
@@ -34,7 +33,7 @@ class LintContext:
     @staticmethod
     def from_environment(model_config_loader=None, world_size: int | None = None) -> LintContext:
         return LintContext(
-            world_size=world_size or int(os.environ.get("WORLD_SIZE", "1")),
+            world_size=world_size or launched_world_size(),
             has_accelerator=torch.cuda.is_available(),
             model_config_loader=model_config_loader,
         )

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import transformers
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from sft_recipes.errors import RecipeError
 
 TINY_SCHEME = "tiny:"  # "tiny:llama" -> a tiny random stand-in built offline (sft_recipes.tiny)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -30,18 +31,18 @@ def read_model_config(model_name_or_path: str | Path, revision: str | None = Non
     path = Path(name).expanduser()
     if path.is_file() or path.is_dir():
         if path.is_dir() and not (path / "config.json").is_file():
-            raise ValueError(
+            raise RecipeError(
                 f"{path} has no config.json: point model_name_or_path at a model directory or a config file."
             )
         return AutoConfig.from_pretrained(str(path))
     if path.suffix == ".json" or name.startswith((".", "/", "~")):
-        raise ValueError(f"Model config {path} does not exist: fix model_name_or_path.")
+        raise RecipeError(f"Model config {path} does not exist: fix model_name_or_path.")
     try:
         return AutoConfig.from_pretrained(name, revision=revision, local_files_only=not download)
     except OSError as error:
         if download:
             raise
-        raise ValueError(
+        raise RecipeError(
             f"{name} is not in the Hugging Face cache and the planner never downloads: run "
             f"`hf download {name} config.json` or point model_name_or_path at a local directory."
         ) from error
@@ -86,7 +87,7 @@ def mxfp4_loading(config, dequantize_mxfp4: bool, path: str) -> transformers.Mxf
     if method != "mxfp4":
         return None
     if not dequantize_mxfp4:
-        raise ValueError(
+        raise RecipeError(
             f"{path} is an MXFP4-quantized checkpoint, which cannot be trained as it is: set `dequantize_mxfp4: true` "
             "in the recipe to load it dequantized to `dtype` (bfloat16 for gpt-oss)."
         )

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from sft_recipes.data.collator import pack_kwargs
 from sft_recipes.architectures.registry import PACKING_QUIRKS, prepare_for_packing
+from sft_recipes.errors import RecipeError
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def check_packing_leak(
     difference = packed_vs_separate_difference(model, PROBE_LENGTHS)
     attention = model.config._attn_implementation
     if difference > tolerance:
-        raise ValueError(
+        raise RecipeError(
             f"Packed examples leak into each other for model_type {config.model_type!r} with attention "
             f"{attention!r}: examples packed in one row differ from the same examples run alone by up to "
             f"{difference:.2e} (tolerance {tolerance:.0e}). Turn packing off for this recipe, or add a fix for "

@@ -28,6 +28,7 @@ from torch.utils.data import get_worker_info
 from transformers import TrainerCallback
 
 from sft_recipes.data.masking import KEPT, tokenize_conversations
+from sft_recipes.errors import RecipeError
 
 IGNORE_INDEX = -100
 TOKENIZE_BATCH = 256
@@ -258,7 +259,7 @@ class StopWhenAnyRankExhausted(TrainerCallback):
         exhausted_ranks, supervised_tokens = flags.tolist()
         if exhausted_ranks > 0:
             if supervised_tokens == 0:
-                raise ValueError(
+                raise RecipeError(
                     "Refusing to go on: the packed stream ended before any rank trained on a supervised token, so "
                     f"the dataset has nothing to learn (this rank: {self.trained.describe()}). Streamed rows that "
                     "break the dataset_format rules are dropped as they are read: check dataset_name and "

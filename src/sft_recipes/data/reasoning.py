@@ -18,6 +18,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from sft_recipes.data.masking import KEPT, REASONING_FIELDS, mask_conversations
+from sft_recipes.errors import RecipeError
 
 SAMPLE_ROWS = 64
 
@@ -54,7 +55,7 @@ def check_reasoning_is_trained(
     conversations = [row[messages_field] for row in islice(iter(rows), sample_rows)]
     without = [index for index, conversation in enumerate(conversations) if last_reasoning(conversation) is None]
     if without:
-        raise ValueError(
+        raise RecipeError(
             f"dataset_format: reasoning needs the last assistant turn of every row to carry its reasoning in "
             f"`thinking` (or `reasoning_content`/`reasoning`); rows {without[:5]} of the first {len(conversations)} "
             "have none. Use dataset_format: messages for plain chat data."
@@ -67,7 +68,7 @@ def check_reasoning_is_trained(
         or last_reasoning(conversation).strip() not in supervised_text(tokenizer, row.input_ids, row.assistant_masks)
     ]
     if untrained:
-        raise ValueError(
+        raise RecipeError(
             f"The chat template does not put the assistant's reasoning into the trained tokens for {len(untrained)} of "
             f"{len(conversations)} sampled rows (e.g. row {untrained[0]}): the model would learn answers without "
             "reasoning. Use the model's own chat template (GPT-OSS renders `thinking` as the analysis channel of the "

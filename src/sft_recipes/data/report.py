@@ -7,6 +7,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+from sft_recipes.errors import RecipeError
 
 EXCERPT_CHARS = 300
 
@@ -66,10 +67,10 @@ class DataReport:
             return
         if self.kept == 0 or self.trainable_tokens == 0:
             what = "no row is left" if self.kept == 0 else "the rows left have no trainable (supervised) token"
-            raise ValueError(f"Refusing to train: {what}.\n{self.format()}\nFix the dataset (or dataset_format, "
+            raise RecipeError(f"Refusing to train: {what}.\n{self.format()}\nFix the dataset (or dataset_format, "
                              "max_length, completion_only_loss) so that rows carry a target to learn.")
         if self.dropped_share > max_dropped_share:
-            raise ValueError(
+            raise RecipeError(
                 f"Refusing to train: {self.dropped_share:.2%} of the rows are bad, more than max_dropped_share="
                 f"{max_dropped_share}.\n{self.format()}\nFix the rows, check dataset_format, or raise "
                 "max_dropped_share if dropping them is intended."

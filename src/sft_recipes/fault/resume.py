@@ -15,6 +15,7 @@ from sft_recipes.fault.checkpoints import (
     read_checkpoint,
     recipe_fingerprint,
 )
+from sft_recipes.errors import RecipeError
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def protect_output_dir(recipe, training_args) -> list[Path]:
     foreign = [c for c in checkpoints if c.complete and c.fingerprint != fingerprint]
     if foreign and not training_args.overwrite_output_dir:
         newest = max(foreign, key=lambda c: c.completed_at)
-        raise ValueError(
+        raise RecipeError(
             f"output_dir {output_dir} holds checkpoints of another recipe ({', '.join(c.path.name for c in foreign)}): "
             f"{_recipe_diff(newest.marker.get('recipe', {}), identity)}. Resuming would mix two trainings. Use "
             "another output_dir, or pass --overwrite_output_dir true to start over here (the old checkpoints are "
@@ -118,7 +119,7 @@ def resolve_resume_checkpoint(training_args) -> str | None:
                         f"resuming from {newest.path}" if newest else "no complete checkpoint, starting fresh")
         return str(newest.path) if newest else None
     if not Path(wanted).is_dir():
-        raise ValueError(
+        raise RecipeError(
             f"resume_from_checkpoint={wanted!r} is not a checkpoint directory. Use 'auto' to take the newest "
             f"checkpoint in output_dir, or a path like {training_args.output_dir}/checkpoint-100."
         )
