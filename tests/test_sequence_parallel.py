@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from conftest import free_port
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from test_packing_equivalence import ARCHITECTURES, LAYOUTS, packed_batch, tiny_model
 
 from sft_recipes.data.packing import IGNORE_INDEX
@@ -132,8 +133,7 @@ def max_over_ranks(value: float) -> float:
     return tensor.item()
 
 
-def compare_one_case(model_type: str, attn_implementation: str, layout_name: str, sp_rank: int, group) -> dict:
-    reference = tiny_model(model_type, attn_implementation)
+def compare_one_case(reference: torch.nn.Module, layout_name: str, sp_rank: int, group) -> dict:
     prepare_for_packing(reference)
     sp_model = copy.deepcopy(reference)
     enable_sequence_parallel(sp_model, group)
@@ -184,6 +184,42 @@ def compare_one_case(model_type: str, attn_implementation: str, layout_name: str
     }
 
 
+# What the flash-attention stand-in was handed with cu_seq_lens: (q shape [B, heads, L, D], cu_seq_lens_q).
+VARLEN_CALLS: list[tuple[list[int], list[int]]] = []
+
+
+def torch_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                           cu_seq_lens_q=None, **kwargs):
+    """flash-attention's varlen contract in torch (examples from ``cu_seq_lens_q`` over the flattened rows)."""
+    batch_size, heads, length, _ = query.shape
+    if cu_seq_lens_q is None:  # as flash does, examples start where position_ids restart
+        starts = (kwargs["position_ids"] == 0).flatten().long()
+    else:
+        VARLEN_CALLS.append((list(query.shape), cu_seq_lens_q.tolist()))
+        starts = torch.zeros(batch_size * length, dtype=torch.long)
+        starts[cu_seq_lens_q[1:-1].long()] = 1
+    example = starts.cumsum(0).reshape(batch_size, length)
+    mask = (example[:, :, None] == example[:, None, :]) & torch.ones(length, length, dtype=torch.bool).tril()
+    key, value = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (key, value))
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scaling)
+    return output.transpose(1, 2), None
+
+
+def compare_flash_varlen(sp_rank: int, group) -> dict:
+    """flash_attention_2 cannot run on CPU: a torch stand-in with its varlen contract takes its place."""
+    ALL_ATTENTION_FUNCTIONS.register("flash_attention_2", torch_varlen_attention)
+    layout = "split examples, two rows"
+    model_inputs = {k: v for k, v in packed_batch(**LAYOUTS[layout][0]).items() if k != "labels"}
+    model = tiny_model("llama", "sdpa")
+    with torch.no_grad():
+        sdpa_logits = model(**model_inputs, use_cache=False).logits
+        model.config._attn_implementation = "flash_attention_2"
+        stand_in_vs_sdpa = (model(**model_inputs, use_cache=False).logits - sdpa_logits).abs().max().item()
+    VARLEN_CALLS.clear()
+    result = compare_one_case(model, layout, sp_rank, group)
+    return {**result, "stand_in_vs_sdpa": stand_in_vs_sdpa, "varlen_calls": sorted(set(map(repr, VARLEN_CALLS)))}
+
+
 def sequence_parallel_worker(rank: int, port: int, out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=SP_SIZE)
@@ -191,11 +227,12 @@ def sequence_parallel_worker(rank: int, port: int, out_path: str) -> None:
         layout, group = new_sequence_parallel_group(SP_SIZE)
         results = {
             f"{model_type}-{implementation}-{layout_name}": compare_one_case(
-                model_type, implementation, layout_name, layout.sp_rank, group
+                tiny_model(model_type, implementation), layout_name, layout.sp_rank, group
             )
             for model_type, implementation in ARCHITECTURES
             for layout_name in LAYOUTS
         }
+        results["llama-flash_attention_2-split examples, two rows"] = compare_flash_varlen(layout.sp_rank, group)
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(results, f)
@@ -212,6 +249,7 @@ def two_rank_results(tmp_path_factory) -> dict:
 
 
 CASES = [f"{m}-{i}-{layout}" for m, i in ARCHITECTURES for layout in LAYOUTS]
+CASES.append("llama-flash_attention_2-split examples, two rows")
 
 
 @pytest.mark.fsdp
@@ -225,10 +263,20 @@ def test_two_ranks_equal_one_rank_on_the_same_packed_blocks(two_rank_results, ca
 
 
 @pytest.mark.fsdp
-@pytest.mark.parametrize(("model_type", "attn_implementation"), ARCHITECTURES)
+@pytest.mark.parametrize(("model_type", "attn_implementation"), [*ARCHITECTURES, ("llama", "flash_attention_2")])
 def test_negative_controls_differ(two_rank_results, model_type, attn_implementation):
     # The split layout's chunk edge (token 8 of 16) falls inside an 11-token example; in the other
     # layout the edge precedes only an unsupervised token, so skipping the exchange changes no loss there.
     result = two_rank_results[f"{model_type}-{attn_implementation}-split examples, two rows"]
     assert result["no_exchange"] > CLEAR_DIFFERENCE
     assert result["chunk_edge_labels"] > CLEAR_DIFFERENCE
+
+
+@pytest.mark.fsdp
+def test_flash_varlen_gets_the_rank_s_heads_over_the_whole_block_with_its_boundaries(two_rank_results):
+    result = two_rank_results["llama-flash_attention_2-split examples, two rows"]
+    assert result["stand_in_vs_sdpa"] < TOLERANCE
+    # Two rows of 16 tokens, examples [11 | 5] [1 | 9 | pad 6]; tiny Llama has 8 query heads of size 8.
+    block_boundaries = [0, 11, 16, 17, 26, 32]
+    one_rank, sequence_parallel = repr(([2, 8, 16, 8], block_boundaries)), repr(([2, 4, 16, 8], block_boundaries))
+    assert result["varlen_calls"] == sorted([one_rank, sequence_parallel])
