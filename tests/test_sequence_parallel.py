@@ -35,6 +35,8 @@ from sft_recipes.token_loss import global_token_mean, summed_token_loss
 TOLERANCE = 1e-5
 CLEAR_DIFFERENCE = 1e-2
 SP_SIZE = 2
+# Models run with the flash-attention stand-in, and the implementation it must agree with.
+FLASH_STAND_IN_CASES = [("llama", "sdpa"), ("gpt_oss", "eager")]
 
 
 # --- chunks and labels, with literal tokens -------------------------------------------------------
@@ -184,40 +186,48 @@ def compare_one_case(reference: torch.nn.Module, layout_name: str, sp_rank: int,
     }
 
 
-# What the flash-attention stand-in was handed with cu_seq_lens: (q shape [B, heads, L, D], cu_seq_lens_q).
-VARLEN_CALLS: list[tuple[list[int], list[int]]] = []
+# What the flash-attention stand-in was handed with cu_seq_lens: q shape [B, heads, L, D], cu_seq_lens_q, sinks.
+VARLEN_CALLS: list[tuple[list[int], list[int], int | None]] = []
 
 
 def torch_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                           cu_seq_lens_q=None, **kwargs):
-    """flash-attention's varlen contract in torch (examples from ``cu_seq_lens_q`` over the flattened rows)."""
+                           cu_seq_lens_q=None, sliding_window=None, s_aux=None, **kwargs):
+    """flash-attention's varlen contract in torch: examples from ``cu_seq_lens_q`` over the flattened
+    rows (else where ``position_ids`` restart), a sliding window, gpt-oss's sinks (``s_aux``)."""
     batch_size, heads, length, _ = query.shape
-    if cu_seq_lens_q is None:  # as flash does, examples start where position_ids restart
+    if cu_seq_lens_q is None:
         starts = (kwargs["position_ids"] == 0).flatten().long()
     else:
-        VARLEN_CALLS.append((list(query.shape), cu_seq_lens_q.tolist()))
+        VARLEN_CALLS.append((list(query.shape), cu_seq_lens_q.tolist(), None if s_aux is None else len(s_aux)))
         starts = torch.zeros(batch_size * length, dtype=torch.long)
         starts[cu_seq_lens_q[1:-1].long()] = 1
     example = starts.cumsum(0).reshape(batch_size, length)
-    mask = (example[:, :, None] == example[:, None, :]) & torch.ones(length, length, dtype=torch.bool).tril()
+    distance = torch.arange(length)[:, None] - torch.arange(length)[None]
+    allowed = (distance >= 0) & (distance < (sliding_window or length))
+    mask = (example[:, :, None] == example[:, None, :]) & allowed
     key, value = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (key, value))
-    output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scaling)
-    return output.transpose(1, 2), None
+    scores = (query @ key.transpose(-1, -2) * scaling).masked_fill(~mask[:, None], float("-inf"))
+    if s_aux is not None:
+        scores = torch.cat([scores, s_aux.reshape(1, -1, 1, 1).expand(batch_size, -1, length, 1)], dim=-1)
+    probabilities = scores.softmax(dim=-1)[..., :length]
+    return (probabilities @ value).transpose(1, 2), None
 
 
-def compare_flash_varlen(sp_rank: int, group) -> dict:
+def compare_flash_varlen(model_type: str, attn_implementation: str, sp_rank: int, group) -> dict:
     """flash_attention_2 cannot run on CPU: a torch stand-in with its varlen contract takes its place."""
     ALL_ATTENTION_FUNCTIONS.register("flash_attention_2", torch_varlen_attention)
     layout = "split examples, two rows"
     model_inputs = {k: v for k, v in packed_batch(**LAYOUTS[layout][0]).items() if k != "labels"}
-    model = tiny_model("llama", "sdpa")
+    model = tiny_model(model_type, attn_implementation)
+    prepare_for_packing(model)
     with torch.no_grad():
-        sdpa_logits = model(**model_inputs, use_cache=False).logits
+        logits = model(**model_inputs, use_cache=False).logits
         model.config._attn_implementation = "flash_attention_2"
-        stand_in_vs_sdpa = (model(**model_inputs, use_cache=False).logits - sdpa_logits).abs().max().item()
+        stand_in_difference = (model(**model_inputs, use_cache=False).logits - logits).abs().max().item()
     VARLEN_CALLS.clear()
     result = compare_one_case(model, layout, sp_rank, group)
-    return {**result, "stand_in_vs_sdpa": stand_in_vs_sdpa, "varlen_calls": sorted(set(map(repr, VARLEN_CALLS)))}
+    return {**result, "stand_in_difference": stand_in_difference,
+            "varlen_calls": sorted(set(map(repr, VARLEN_CALLS)))}
 
 
 def sequence_parallel_worker(rank: int, port: int, out_path: str) -> None:
@@ -232,7 +242,10 @@ def sequence_parallel_worker(rank: int, port: int, out_path: str) -> None:
             for model_type, implementation in ARCHITECTURES
             for layout_name in LAYOUTS
         }
-        results["llama-flash_attention_2-split examples, two rows"] = compare_flash_varlen(layout.sp_rank, group)
+        for model_type, implementation in FLASH_STAND_IN_CASES:
+            results[f"{model_type}-flash_attention_2-split examples, two rows"] = compare_flash_varlen(
+                model_type, implementation, layout.sp_rank, group
+            )
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(results, f)
@@ -249,7 +262,7 @@ def two_rank_results(tmp_path_factory) -> dict:
 
 
 CASES = [f"{m}-{i}-{layout}" for m, i in ARCHITECTURES for layout in LAYOUTS]
-CASES.append("llama-flash_attention_2-split examples, two rows")
+CASES += [f"{model_type}-flash_attention_2-split examples, two rows" for model_type, _ in FLASH_STAND_IN_CASES]
 
 
 @pytest.mark.fsdp
@@ -263,7 +276,7 @@ def test_two_ranks_equal_one_rank_on_the_same_packed_blocks(two_rank_results, ca
 
 
 @pytest.mark.fsdp
-@pytest.mark.parametrize(("model_type", "attn_implementation"), [*ARCHITECTURES, ("llama", "flash_attention_2")])
+@pytest.mark.parametrize(("model_type", "attn_implementation"), [*ARCHITECTURES, *((model_type, "flash_attention_2") for model_type, _ in FLASH_STAND_IN_CASES)])
 def test_negative_controls_differ(two_rank_results, model_type, attn_implementation):
     # The split layout's chunk edge (token 8 of 16) falls inside an 11-token example; in the other
     # layout the edge precedes only an unsupervised token, so skipping the exchange changes no loss there.
@@ -273,10 +286,16 @@ def test_negative_controls_differ(two_rank_results, model_type, attn_implementat
 
 
 @pytest.mark.fsdp
-def test_flash_varlen_gets_the_rank_s_heads_over_the_whole_block_with_its_boundaries(two_rank_results):
-    result = two_rank_results["llama-flash_attention_2-split examples, two rows"]
-    assert result["stand_in_vs_sdpa"] < TOLERANCE
-    # Two rows of 16 tokens, examples [11 | 5] [1 | 9 | pad 6]; tiny Llama has 8 query heads of size 8.
+@pytest.mark.parametrize(
+    ("model_type", "head_dim", "sinks"), [("llama", 8, None), ("gpt_oss", 16, 8)]
+)
+def test_flash_varlen_gets_the_rank_s_heads_over_the_whole_block_with_its_boundaries(
+    two_rank_results, model_type, head_dim, sinks
+):
+    result = two_rank_results[f"{model_type}-flash_attention_2-split examples, two rows"]
+    assert result["stand_in_difference"] < TOLERANCE
+    # Two rows of 16 tokens, examples [11 | 5] [1 | 9 | pad 6]; both tiny models have 8 query heads.
     block_boundaries = [0, 11, 16, 17, 26, 32]
-    one_rank, sequence_parallel = repr(([2, 8, 16, 8], block_boundaries)), repr(([2, 4, 16, 8], block_boundaries))
+    one_rank = repr(([2, 8, 16, head_dim], block_boundaries, sinks))
+    sequence_parallel = repr(([2, 4, 16, head_dim], block_boundaries, sinks and sinks // 2))
     assert result["varlen_calls"] == sorted([one_rank, sequence_parallel])
