@@ -382,8 +382,13 @@ def _block_masks(decoder: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) 
     if layer_types is None:
         masks = create_causal_mask(**mask_kwargs)
     else:
-        masks = {kind: _MASK_BUILDERS[kind] and _MASK_BUILDERS[kind](**mask_kwargs) for kind in set(layer_types)}
+        masks = {kind: _block_mask(kind, mask_kwargs) for kind in set(layer_types)}
     return args, {**kwargs, "attention_mask": masks}
+
+
+def _block_mask(layer_type: str, mask_kwargs: dict[str, Any]) -> torch.Tensor | None:
+    builder = _MASK_BUILDERS[layer_type]
+    return None if builder is None else builder(**mask_kwargs)
 
 
 # --- installing it --------------------------------------------------------------------------------
@@ -392,7 +397,7 @@ def _block_masks(decoder: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) 
 def enable_sequence_parallel(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
     """Make ``model`` run one packed block across the ranks of ``group``, each holding a contiguous chunk.
 
-    Call once per model, before FSDP wrapping, on every rank of the group; the model then takes
+    Call on every rank of the group, before FSDP wrapping (idempotent); the model then takes
     ``sft_recipes.data.sequence_shards.shard_block`` batches. Also prepares it for packing.
     """
     prepare_for_packing(model)
