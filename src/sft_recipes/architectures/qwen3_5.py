@@ -86,11 +86,12 @@ def _is_installed(function: Callable) -> bool:
 
 def _kernel_bound(transformers_function: Callable) -> bool:
     """Whether transformers bound a package kernel behind this function (it decides once, at import)."""
-    # Ask transformers' own dispatcher, also when ours is installed in front of it (one layer only:
-    # transformers' dispatcher itself wraps the plain torch function).
-    if _is_installed(transformers_function):
-        transformers_function = transformers_function.__wrapped__
+    # Ask transformers' own dispatcher, also when ours (or sequence parallelism's) are installed in
+    # front of it: each keeps the function it wraps as __wrapped__.
     decision = inspect.getclosurevars(transformers_function).nonlocals.get("is_new_implementation")
+    while decision is None and hasattr(transformers_function, "__wrapped__"):
+        transformers_function = transformers_function.__wrapped__
+        decision = inspect.getclosurevars(transformers_function).nonlocals.get("is_new_implementation")
     assert decision is not None, "transformers changed how it binds kernels; revisit sft_recipes.architectures.qwen3_5"
     return decision
 
