@@ -200,14 +200,14 @@ def test_qwen3_literal_tokens():
     ]
 
 
-def test_qwen3_inline_think_single_turn_is_located_by_prefix_renders(qwen3):
+def test_qwen3_inline_think_single_turn_is_located_with_its_reasoning_moved_out(qwen3):
     chat = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "<think>r</think>A"}]
     (row,) = mask_conversations(qwen3, [chat])
-    assert row.used_prefix_renders  # the template rewrites this content, so the skeleton does not fit
+    assert not row.used_prefix_renders  # the reasoning_content form renders the same text
     assert runs(qwen3, row.input_ids, row.assistant_masks) == ["<think>\nr\n</think>\n\nA<|im_end|>\n"]
 
 
-def test_qwen3_inline_think_multi_turn_is_a_detected_prefix_mismatch(qwen3):
+def test_qwen3_inline_think_multi_turn_supervises_each_turn_as_fully_rendered(qwen3):
     chat = [
         {"role": "user", "content": "Q1"},
         {"role": "assistant", "content": "<think>r1</think>A1"},
@@ -215,6 +215,40 @@ def test_qwen3_inline_think_multi_turn_is_a_detected_prefix_mismatch(qwen3):
         {"role": "assistant", "content": "<think>r2</think>A2"},
     ]
     (row,) = mask_conversations(qwen3, [chat])
+    assert "r1" not in row.text  # the template drops the earlier reasoning
+    assert runs(qwen3, row.input_ids, row.assistant_masks) == ["A1<|im_end|>\n", "<think>\nr2\n</think>\n\nA2<|im_end|>\n"]
+    assert row.input_ids == qwen3.apply_chat_template(chat, tokenize=True, return_dict=False)
+
+
+# A template that rewrites content ("@" -> "at "), so no sentinel skeleton fits its render; the
+# second one also renders earlier assistant turns differently (without the "@" at all).
+REWRITING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | replace('@', 'at ') }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+REWRITING_AND_RERENDERING_TEMPLATE = REWRITING_TEMPLATE.replace(
+    "{{ m.content | replace('@', 'at ') }}",
+    "{% if loop.last or m.role != 'assistant' %}{{ m.content | replace('@', 'at ') }}"
+    "{% else %}{{ m.content | replace('@', '') }}{% endif %}",
+)
+TWO_REWRITTEN_REPLIES = [
+    {"role": "user", "content": "q"},
+    {"role": "assistant", "content": "a@b"},
+    {"role": "user", "content": "r"},
+    {"role": "assistant", "content": "c@d"},
+]
+
+
+def test_content_rewriting_template_is_located_by_prefix_renders():
+    tokenizer = byte_tokenizer(REWRITING_TEMPLATE, ["<|im_start|>", "<|im_end|>"])
+    (row,) = mask_conversations(tokenizer, [TWO_REWRITTEN_REPLIES])
+    assert row.used_prefix_renders
+    assert runs(tokenizer, row.input_ids, row.assistant_masks) == ["aat b<|im_end|>\n", "cat d<|im_end|>\n"]
+
+
+def test_content_rewriting_and_rerendering_template_is_a_detected_prefix_mismatch():
+    tokenizer = byte_tokenizer(REWRITING_AND_RERENDERING_TEMPLATE, ["<|im_start|>", "<|im_end|>"])
+    (row,) = mask_conversations(tokenizer, [TWO_REWRITTEN_REPLIES])
     assert row.drop_reason == PREFIX_MISMATCH
     assert sum(row.assistant_masks) == 0 and row.input_ids  # dropped, never half-masked
 
@@ -353,7 +387,11 @@ GPT_OSS_MARKED = marked((TEMPLATES / "openai__gpt-oss-120b.jinja").read_text(), 
 ])
 
 
-def random_reasoning_chats(seed: int, count: int, reasoning_field: str) -> list[list[dict]]:
+def random_reasoning_chats(
+    seed: int, count: int, reasoning_field: str, think_in_content: bool = False, consecutive_replies: bool = False
+) -> list[list[dict]]:
+    """Random multi-turn chats; reasoning in ``reasoning_field`` or as ``<think>...</think>`` in content,
+    and with ``consecutive_replies`` some replies followed by a second assistant message."""
     rng = random.Random(seed)
     pieces = ["Sure.", " two words ", "\n", "\n\n", "é", "x\ny", ""]
 
@@ -365,22 +403,45 @@ def random_reasoning_chats(seed: int, count: int, reasoning_field: str) -> list[
         chat = [{"role": "system", "content": text() or "s"}] if rng.random() < 0.5 else []
         for _ in range(rng.randint(1, 4)):
             chat.append({"role": "user", "content": text() or "q"})
-            reply = {"role": "assistant", "content": text()}
-            if rng.random() < 0.6:
-                reply[reasoning_field] = text()
-            chat.append(reply)
+            for _ in range(2 if consecutive_replies and rng.random() < 0.5 else 1):
+                reply = {"role": "assistant", "content": text()}
+                if rng.random() < 0.6:
+                    if think_in_content:
+                        reply["content"] = f"<think>{text()}</think>{reply['content']}"
+                    else:
+                        reply[reasoning_field] = text()
+                chat.append(reply)
         chats.append(chat)
     return chats
 
 
+def visible_texts(reply: dict, reasoning_field: str, is_last: bool) -> list[str]:
+    """The texts of a reply that the Qwen3 / gpt-oss templates render (reasoning only on the last reply)."""
+    content = reply["content"]
+    reasoning = reply.get(reasoning_field, "")
+    if "</think>" in content:
+        reasoning, content = content.split("</think>")[0].split("<think>")[-1], content.split("</think>")[-1]
+    return [content, reasoning] if is_last else [content]
+
+
 @pytest.mark.parametrize(
-    ("family", "oracle_template", "reasoning_field"),
-    [("qwen3_5", QWEN3_MARKED, "reasoning_content"), ("gpt_oss", GPT_OSS_MARKED, "thinking")],
+    ("family", "oracle_template", "reasoning_field", "think_in_content", "consecutive_replies"),
+    [
+        ("qwen3_5", QWEN3_MARKED, "reasoning_content", False, False),
+        ("qwen3_5", QWEN3_MARKED, "reasoning_content", True, False),
+        ("qwen3_5", QWEN3_MARKED, "reasoning_content", True, True),
+        ("gpt_oss", GPT_OSS_MARKED, "thinking", False, False),
+        ("gpt_oss", GPT_OSS_MARKED, "thinking", False, True),
+    ],
+    ids=["qwen3", "qwen3-think-in-content", "qwen3-think-in-content-consecutive", "gpt_oss", "gpt_oss-consecutive"],
 )
-def test_rerendering_templates_match_a_generation_marked_oracle(family, oracle_template, reasoning_field):
+def test_rerendering_templates_match_a_generation_marked_oracle(
+    family, oracle_template, reasoning_field, think_in_content, consecutive_replies
+):
     tokenizer = build_tokenizer(family)
-    chats = random_reasoning_chats(seed=0, count=40, reasoning_field=reasoning_field)
+    chats = random_reasoning_chats(0, 40, reasoning_field, think_in_content, consecutive_replies)
     masked = mask_conversations(tokenizer, chats)
+    assert PREFIX_MISMATCH not in [row.drop_reason for row in masked]
     assert sum(row.rerendered_turns for row in masked) > 0  # the case prefix methods get wrong is covered
     for chat, row in zip(chats, masked):
         (text,), (spans,) = render_jinja_template(
@@ -390,9 +451,11 @@ def test_rerendering_templates_match_a_generation_marked_oracle(family, oracle_t
         encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         assert row.input_ids == encoding["input_ids"]  # the marked template renders the same text
         if row.drop_reason:
+            replies = [message for message in chat if message["role"] == "assistant"]
             assert row.drop_reason == EMPTY_ASSISTANT_TURNS and not any(
-                chat[turn][field] for turn in range(len(chat)) if chat[turn]["role"] == "assistant"
-                for field in ("content", reasoning_field) if field in chat[turn]
+                text.strip()
+                for number, reply in enumerate(replies)
+                for text in visible_texts(reply, reasoning_field, is_last=number == len(replies) - 1)
             )
         else:
             # The documented token rule: supervised iff the token starts inside a span, so a token

@@ -284,6 +284,9 @@ class _TemplateMasker:
             skeleton = self._skeleton(key, conversation, template_kwargs)
         offsets = None if skeleton is None else _segment_offsets(skeleton, conversation, text)
         if offsets is None:
+            moved = _reasoning_moved_out_of_content(conversation)
+            if moved is not None and self._render([moved], template_kwargs)[0] == text:
+                return self.locate(moved, text, template_kwargs)  # same render, so the same turns
             return self._locate_by_prefix_renders(conversation, text, template_kwargs)
         if not any(turn.has_text for turn in skeleton.turns):
             return _Located((), EMPTY_ASSISTANT_TURNS, skeleton.empty_turns)
@@ -330,11 +333,11 @@ class _TemplateMasker:
             if message["role"] != "assistant":
                 continue
             mine = [slot for slot, owner in enumerate(owners) if owner == index]
-            rendered_texts = {slots[slot][1] for slot in mine if message[slots[slot][1]] != ""}
+            rendered_texts = {slots[slot][1] for slot in mine}
             if _has_text(message, REASONING_FIELDS) and not rendered_texts - {"content"}:
                 unrendered_reasoning += 1
-            if not rendered_texts:
-                empty_turns += 1
+            has_text = any(_has_text(message, [field]) for field in rendered_texts)
+            empty_turns += not has_text
             if not mine:
                 continue  # the template renders nothing of this message: nothing to supervise
             first, last = mine[0], mine[-1]
@@ -345,10 +348,16 @@ class _TemplateMasker:
             anchor = sentinels[first - 1] if first else None
             before_tail, prompt_tail = _after(before, anchor), _after(prompt, anchor)
             gap = segments[first]
-            if before_tail is None or prompt_tail is None or not prompt_tail.startswith(before_tail):
+            if before_tail is None or prompt_tail is None:
                 return None
-            if not gap.startswith(before_tail):
-                return None  # the message before this turn closes differently once the turn follows
+            start = len(commonprefix([gap, prompt_tail]))
+            if not (prompt_tail.startswith(before_tail) and gap.startswith(before_tail)):
+                # The message before this turn closes differently once the turn follows. Fine for an
+                # assistant turn closed in this same gap (harmony: <|return|> when last, <|end|> when
+                # followed), if the generation prompt still matches past that turn's end; else unknown.
+                previous = turns[-1] if turns and turns[-1].message_index == index - 1 else None
+                if previous is None or previous.end[0] != first or start <= previous.end[1]:
+                    return None
             closing = segments[last + 1]
             stop = self.special_tokens.search(closing)
             if stop is None:
@@ -360,8 +369,7 @@ class _TemplateMasker:
             end = stop.end() + len(closing[stop.end() :]) - len(closing[stop.end() :].lstrip())
             turns.append(
                 _SkeletonTurn(
-                    index, (first, len(commonprefix([gap, prompt_tail]))), (last + 1, stop.start()),
-                    (last + 1, end), stop.group(), bool(rendered_texts),
+                    index, (first, start), (last + 1, stop.start()), (last + 1, end), stop.group(), has_text,
                 )
             )
             through = self._render_prefix(probe[: index + 1], template_kwargs, add_generation_prompt=False)
@@ -486,7 +494,31 @@ def _normalized(conversation: Conversation, row: int) -> Conversation:
 
 
 def _has_text(message: Message, fields: Sequence[str]) -> bool:
-    return any(isinstance(message.get(field), str) and message[field] != "" for field in fields)
+    """Whether any of ``fields`` holds more than whitespace (a blank reply is an empty one)."""
+    return any(isinstance(message.get(field), str) and message[field].strip() for field in fields)
+
+
+def _reasoning_moved_out_of_content(conversation: Conversation) -> Conversation | None:
+    """The conversation with ``<think>...</think>`` in assistant contents moved to ``reasoning_content``.
+
+    As Qwen3's template splits it (reasoning up to the first ``</think>``, answer after the last), so
+    that a template splitting it out renders both forms alike (checked by the caller); None if no
+    assistant content without a reasoning field holds ``</think>``.
+    """
+    moved, changed = [], False
+    for message in conversation:
+        content = message.get("content")
+        if (
+            message["role"] == "assistant"
+            and isinstance(content, str)
+            and "</think>" in content
+            and not any(field in message for field in REASONING_FIELDS)
+        ):
+            reasoning = content.split("</think>")[0].split("<think>")[-1].strip("\n")
+            message = {**message, "content": content.split("</think>")[-1].lstrip("\n"), "reasoning_content": reasoning}
+            changed = True
+        moved.append(message)
+    return moved if changed else None
 
 
 def _kwargs_key(template_kwargs: dict[str, Any]) -> str:
@@ -503,7 +535,7 @@ def _shape(conversation: Conversation) -> tuple:
 
 def _field_kind(key: str, value: Any) -> Any:
     if key in TEXT_FIELDS and isinstance(value, str):
-        return "<text>" if value else "<empty>"
+        return "<text>" if value.strip() else "<blank>" if value else "<empty>"  # a blank reply is an empty one
     return ("=", value if isinstance(value, str) else repr(value))
 
 
