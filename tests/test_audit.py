@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
+from conftest import TINY_LLAMA_RECIPE, run_command
 
 from sft_recipes.data.audit import audit_masks, format_report, mark_supervised
-from sft_recipes.data.masking import NO_ASSISTANT_TURN, TRUNCATED_AWAY
+from sft_recipes.data.masking import EMPTY_ASSISTANT_TURNS, NO_ASSISTANT_TURN, TRUNCATED_AWAY
 from sft_recipes.tiny import build_tokenizer
 
 LLAMA_SYSTEM_HEADER = (
@@ -105,3 +108,49 @@ def test_mark_supervised_literal_runs(llama):
     mask = [0] * (len(ids) - 1) + [1]
     assert mark_supervised(llama, ids, mask) == "".join(pieces[:-1]) + "[[" + pieces[-1] + "]]"
     assert mark_supervised(llama, ids, [0] * len(ids)) == "ab cd"
+
+
+def test_report_shows_formerly_dropped_reasoning_and_consecutive_replies_as_trained():
+    qwen3 = build_tokenizer("qwen3_5")
+    think_in_content = [
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "<think>r1</think>A1"},
+        {"role": "user", "content": "Q2"},
+        {"role": "assistant", "content": "<think>r2</think>A2"},
+    ]
+    report = audit_masks(qwen3, [think_in_content], n=1)
+    assert (report.kept, report.assistant_turns, report.prefix_render_conversations) == (1, 2, 0)
+    assert report.examples[0].marked_text.endswith(
+        "<|im_start|>assistant\n[[A1<|im_end|>\n]]<|im_start|>user\nQ2<|im_end|>\n"
+        "<|im_start|>assistant\n[[<think>\nr2\n</think>\n\nA2<|im_end|>\n]]"
+    )
+    gpt_oss = build_tokenizer("gpt_oss")
+    consecutive = [
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "A1", "thinking": "t1"},
+        {"role": "assistant", "content": "A2", "thinking": "t2"},
+    ]
+    report = audit_masks(gpt_oss, [consecutive], n=1)
+    assert (report.kept, report.assistant_turns, report.unrendered_reasoning_turns) == (1, 2, 1)
+    assert report.examples[0].marked_text.endswith(
+        "<|start|>assistant[[<|channel|>final<|message|>A1<|end|>]]<|start|>assistant"
+        "[[<|channel|>analysis<|message|>t2<|end|><|start|>assistant<|channel|>final<|message|>A2<|return|>]]"
+    )
+
+
+def test_report_says_what_is_trained_of_empty_and_blank_replies(llama):
+    blank_then_reply = [dict(m, content=" ") if m["content"] == "A1" else m for m in TWO_TURNS]
+    empty_only = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": ""}]
+    report = audit_masks(llama, [blank_then_reply, empty_only], n=1)
+    assert report.dropped == {EMPTY_ASSISTANT_TURNS: 1} and report.empty_turns == 1
+    text = format_report(report)
+    assert "assistant turns with no text (empty or whitespace only): 1 (only their end-of-turn token is trained" in text
+    assert "<|start_header_id|>assistant<|end_header_id|>\n\n[[<|eot_id|>]]" in text  # and that is what is marked
+
+
+def test_audit_of_a_non_chat_recipe_is_one_error_line_naming_the_fix():
+    result = run_command([sys.executable, "scripts/sft.py", str(TINY_LLAMA_RECIPE), "--audit-data", "2"])
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()  # no traceback
+    assert line.startswith("error: --audit-data shows chat assistant masks") and "dataset_format: alpaca" in line
+    assert "use it with a chat recipe" in line

@@ -35,7 +35,7 @@ class AuditReport:
     supervised_tokens: int
     assistant_turns: int  # supervised turns in kept conversations
     turns_without_stop_token: tuple[tuple[int, int], ...]  # (conversation, message index) cut before the stop token
-    empty_turns: int  # assistant turns with no text, left unsupervised
+    empty_turns: int  # assistant turns with no text (empty or whitespace): only their end-of-turn token is trained
     rerendered_turns: int  # turns the template renders differently once later turns exist (masked as rendered)
     unrendered_reasoning_turns: int  # turns whose reasoning field the template leaves out
     prefix_render_conversations: int  # content-dependent renders, located by re-rendering prefixes
@@ -116,7 +116,10 @@ def format_report(report: AuditReport) -> str:
         + ("yes" if report.every_turn_ends_with_stop_token else _cut_turns(report.turns_without_stop_token)),
     ]
     if report.empty_turns:
-        lines.append(f"assistant turns with no text, left unsupervised: {report.empty_turns}")
+        lines.append(
+            f"assistant turns with no text (empty or whitespace only): {report.empty_turns} "
+            "(only their end-of-turn token is trained; conversations with nothing else are dropped)"
+        )
     if report.rerendered_turns:
         lines.append(
             f"assistant turns the template renders differently once later turns exist: {report.rerendered_turns} "
