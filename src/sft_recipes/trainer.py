@@ -45,6 +45,11 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
             training_args.dataset_kwargs = {**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True}
             kwargs["train_dataset"] = datasets.Dataset.from_list([self.block_stream.exhausted_block()])
         super().__init__(*args, **kwargs)
+        # TRL's compute_loss sums the token losses and divides by `num_items_in_batch` itself; the model's forward
+        # never sees it. The Trainer counts it over every rank and accumulation step only for models that "accept
+        # loss kwargs", and VLM classes (Qwen3_5ForConditionalGeneration) say no for their own forward's sake, which
+        # made a step's loss the mean of per-rank, per-micro-batch means. Every step is the global token mean.
+        self.model_accepts_loss_kwargs = True
         if self.block_stream is not None:
             self.exhaustion = StopWhenAnyRankExhausted(self.stream_stats)
             self.add_callback(self.exhaustion)
