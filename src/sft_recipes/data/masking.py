@@ -13,12 +13,13 @@ How a batch is masked:
    sentinel in each text field. On that skeleton each assistant turn is located:
    - start: the end of the generation prompt, i.e. where the render of the earlier messages with
      ``add_generation_prompt=True`` stops agreeing with the full render, compared right after the
-     previous message's text (so re-rendered earlier turns cannot shift it);
+     previous message's text (so re-rendered earlier turns cannot shift it). Right after another
+     assistant turn that closes differently when last (harmony's ``<|return|>`` vs ``<|end|>``), the
+     start must lie past that turn's end: two replies in a row are both supervised;
    - end: the first special token after the turn's last text (its stop token: ``<|eot_id|>``,
      ``<|im_end|>``, ``<|end|>``, ``<|return|>``) plus the whitespace the template writes right
      after it (ChatML's newline), the same tokens the prefix method of the reference recipe
-     supervises wherever its assumption holds. An empty reply is a zero-width text, so its stop
-     token is supervised; a conversation whose replies are all empty is dropped.
+     supervises wherever its assumption holds.
 3. The real render must be the skeleton with the real texts in the sentinel slots (verbatim or
    whitespace-trimmed, as templates ``trim``); skeleton spans then map to character spans of the
    real render by arithmetic.
@@ -26,11 +27,21 @@ How a batch is masked:
    one). A token is supervised iff it starts inside a span: a token merging the prompt's last
    newline with the reply's first is left out, so no prompt character is ever a target.
 
+Empty replies, one rule: a reply whose rendered texts are empty or whitespace only is an *empty
+reply*. It stays in the conversation, and what the template writes for it is supervised like any
+turn: its stop token (plus the whitespace itself where the template keeps it, or Qwen3's empty
+think block on the last turn). That is what the data says the assistant did, and the model must see
+its turns end; a conversation whose every reply is empty teaches nothing else and is dropped as
+``empty_assistant_turns``. ``""`` and ``"  "`` are treated alike (Llama 3.1 trims both to nothing).
+
 A template whose structure depends on a text's content (Qwen3 splitting ``<think>`` out of
-``content``) fails step 3 for that conversation. It is then masked by rendering its prefixes in
-string space (the reference recipe's method), which is right only where the template renders
-each turn the same whatever follows it; where it does not, the conversation is dropped with
-reason ``prefix_mismatch``. Nothing is ever masked silently wrong or silently empty.
+``content``) fails step 3 for that conversation. If moving each ``<think>...</think>`` out of an
+assistant ``content`` into ``reasoning_content`` renders the very same text, the turns are located
+on that form: each turn is supervised as the full render shows it (earlier replies without their
+reasoning, the last with it). Otherwise it is masked by rendering its prefixes in string space (the
+reference recipe's method), which is right only where the template renders each turn the same
+whatever follows it; where it does not, the conversation is dropped with reason
+``prefix_mismatch``. Nothing is ever masked silently wrong or silently empty.
 """
 
 from __future__ import annotations
