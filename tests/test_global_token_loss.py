@@ -18,7 +18,7 @@ from conftest import free_port
 from datasets import Dataset
 from trl import SFTConfig
 
-from sft_recipes.models.registry import prepare_for_packing
+from sft_recipes.architectures.registry import prepare_for_packing
 from sft_recipes.tiny import AUTO_MODEL_CLASSES, build_tokenizer, tiny_config
 from sft_recipes.trainer import RecipeSFTTrainer
 
@@ -115,7 +115,7 @@ def test_step_loss_and_gradients_are_the_global_token_mean_across_ranks_and_accu
     for worker in workers:
         worker.start()
     for worker in workers:
-        worker.join(timeout=300)
+        worker.join(timeout=600)
     assert [worker.exitcode for worker in workers] == [0, 0, 0]
     one, two = torch.load(tmp_path / "world1.pt"), torch.load(tmp_path / "world2.pt")
     for family in FAMILIES:
