@@ -46,8 +46,6 @@ CASES = {
     "block_packing_needs_chat_data": (
         {"pack_blocks": True, "dataset_format": "alpaca", "dataset_name": "data/samples/alpaca.jsonl"}, {}, {},
         "pack_blocks needs a chat dataset_format"),
-    "packing_window_below_one": (
-        {"pack_blocks": True, "split_examples": False, "packing_window": 0}, {}, {}, "packing_window must be at least 1"),
     "packing_architecture_needs_our_fixes": (
         {"packing": True}, {"model_config": tiny_config("gpt_oss")}, {}, "use `pack_blocks: true`"),
     "hybrid_model_without_reference_kernels": (

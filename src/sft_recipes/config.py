@@ -24,6 +24,7 @@ import yaml
 from trl import ModelConfig, ScriptArguments, SFTConfig
 
 from sft_recipes.data.blocks import PACKING_WINDOW
+from sft_recipes.value_ranges import range_problems
 
 DATASET_FORMATS = ("alpaca", "messages", "reasoning", "text")
 
@@ -327,6 +328,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
             except TypeError as err:
                 problems.append(f"'{key}' must be {err}, got {value!r} ({type(value).__name__})")
                 break
+    problems += range_problems({key: value for typed in kwargs.values() for key, value in typed.items()})
     if problems:
         raise RecipeError(f"{path}: " + "; ".join(problems) + ".")
 

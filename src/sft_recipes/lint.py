@@ -65,12 +65,6 @@ def block_packing_needs_chat_data(recipe: Recipe, ctx: LintContext) -> str | Non
     return None
 
 
-def packing_window_below_one(recipe: Recipe, ctx: LintContext) -> str | None:
-    if recipe.data.packing_window < 1:
-        return f"packing_window must be at least 1 (1 packs in arrival order), got {recipe.data.packing_window}"
-    return None
-
-
 def _packs(recipe: Recipe) -> bool:
     t = recipe.training
     return bool(recipe.data.pack_blocks or t.packing or t.padding_free)
@@ -146,7 +140,6 @@ RULES = (
     activation_checkpointing_twice,
     trl_packing_with_block_packing,
     block_packing_needs_chat_data,
-    packing_window_below_one,
     packing_architecture_needs_our_fixes,
     hybrid_model_without_reference_kernels,
     wrap_class_absent_from_model,
