@@ -64,3 +64,12 @@ def test_gptoss120b_lora_fits_8_h100(tmp_path):
     assert plan["fits"]["H100"] and plan["world_size"] == 8
     assert plan["total_params"] == pytest.approx(116.8e9, rel=0.01)
     assert plan["trainable_params"] < 0.01 * plan["total_params"]
+
+
+def test_dry_run_refuses_a_recipe_whose_precision_differs_from_the_accelerate_config():
+    # The reproduction: the 8-GPU config (bf16) with the fp32 tiny recipe trained in bf16 autocast and
+    # then failed its export check; the linter now stops it before anything loads.
+    result = run_command([bin_path("python"), "scripts/sft.py", "recipes/tiny/llama8b.yaml", "--dry-run",
+                          "--config_file", "accelerate_configs/fsdp2_8gpu.yaml"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "mixed_precision: bf16 but the recipe says bf16: false" in result.stderr

@@ -40,6 +40,8 @@ def export_launch_environment(accelerate_config: dict) -> None:
     for key, env in _LAUNCH_ENV.items():
         if key in fsdp:
             os.environ[env] = str(fsdp[key]).lower()
+    if "mixed_precision" in accelerate_config:
+        os.environ["ACCELERATE_MIXED_PRECISION"] = str(accelerate_config["mixed_precision"]).lower()
 
 
 def planned_world_size(accelerate_config: dict | None, world_size: int | None) -> int:

@@ -124,6 +124,20 @@ def bf16_without_hardware_support(recipe: Recipe, ctx: LintContext) -> str | Non
     return None
 
 
+def mixed_precision_differs_from_launch(recipe: Recipe, ctx: LintContext) -> str | None:
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")  # `accelerate launch` exports the config's mixed_precision
+    t = recipe.training
+    asked = "fp16" if t.fp16 else "bf16" if t.bf16 else "no"
+    if launched is None or launched.lower() == asked:
+        return None
+    # transformers takes the recipe's bf16/fp16 when set, else the launcher's value: one side is silently overruled.
+    computes = asked if asked != "no" else launched.lower()
+    return (f"the accelerate config launches with mixed_precision: {launched} but the recipe says bf16: "
+            f"{str(t.bf16).lower()}, fp16: {str(t.fp16).lower()}; the run would compute in {computes} and its export "
+            f"check would compare against the wrong precision. Make them agree: launch with an accelerate config whose "
+            f"mixed_precision is {asked!r} (accelerate_configs/fsdp2_cpu.yaml has 'no'), or change bf16/fp16 in the recipe")
+
+
 def batch_the_world_cannot_produce(recipe: Recipe, ctx: LintContext) -> str | None:
     t = recipe.training
     if (t.global_batch_size or t.global_batch_tokens) and "gradient_accumulation_steps" in recipe.values:
@@ -145,6 +159,7 @@ RULES = (
     wrap_class_absent_from_model,
     cpu_offload_without_accelerator,
     bf16_without_hardware_support,
+    mixed_precision_differs_from_launch,
     batch_the_world_cannot_produce,
 )
 
