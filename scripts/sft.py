@@ -30,7 +30,7 @@ from sft_recipes.data.audit import audit_dataset, format_report
 from sft_recipes.data.formats import CHAT_FORMATS, check_columns
 from sft_recipes.data.validation import DataReportCallback, apply_length_policy, load_checked_dataset
 from sft_recipes.data.prepare import prepare_train_dataset
-from sft_recipes.dry_run import export_launch_environment, plan_recipe, planned_world_size, read_accelerate_config
+from sft_recipes.dry_run import accelerate_config_for_plan, export_launch_environment, plan_recipe, planned_world_size
 from sft_recipes.distributed import (
     enable_cpu_fsdp, launched_world_size, process_group_destroyed_on_exit, set_fsdp_reduce_dtype, verify_distributed,
 )
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 def dry_run(cli: argparse.Namespace, overrides: list[str]) -> int:
     """Lint and plan the run a launch would make, without GPUs or weights."""
     try:
-        accelerate_config = read_accelerate_config(cli.config_file) if cli.config_file else None
+        accelerate_config = accelerate_config_for_plan(cli.config_file, cli.recipe)
         if accelerate_config:
             export_launch_environment(accelerate_config)
         world_size = planned_world_size(accelerate_config, cli.world_size)
