@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 
 import pytest
 
 from conftest import REPO_ROOT, free_port
-from fault_helpers import Run, finish, wait_for, worker_pid
+from fault_helpers import Run, finish, rank_exit_codes, wait_for, worker_pid
 from sft_recipes.fault.preemption import REQUEUE_EXIT_CODE
 
 pytestmark = pytest.mark.fsdp
 
-# torchrun's failure report: one block per failed rank, "rank : R (local_rank: R)" then "exitcode : C".
-RANK_EXIT = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 
-
-def rank_exit_codes(signalled_rank: int) -> dict[int, int]:
+def exit_codes_after_preempting(signalled_rank: int) -> dict[int, int]:
     run = Run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                "--monitor_interval", "0.1", str(REPO_ROOT / "tests" / "preemption_exit.py")],
               {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
@@ -28,10 +24,10 @@ def rank_exit_codes(signalled_rank: int) -> dict[int, int]:
     result = finish(run)
     assert f"rank {signalled_rank} got SIGTERM" in result.output, result.output[-3000:]
     assert result.returncode != 0
-    return {int(rank): int(code) for rank, code in RANK_EXIT.findall(result.output)}
+    return rank_exit_codes(result.output)
 
 
 @pytest.mark.parametrize("attempt", [1, 2])
 @pytest.mark.parametrize("signalled_rank", [0, 1])
 def test_every_rank_exits_for_requeue(signalled_rank, attempt):
-    assert rank_exit_codes(signalled_rank) == {0: REQUEUE_EXIT_CODE, 1: REQUEUE_EXIT_CODE}
+    assert exit_codes_after_preempting(signalled_rank) == {0: REQUEUE_EXIT_CODE, 1: REQUEUE_EXIT_CODE}
