@@ -132,10 +132,11 @@ def mixed_precision_differs_from_launch(recipe: Recipe, ctx: LintContext) -> str
         return None
     # transformers takes the recipe's bf16/fp16 when set, else the launcher's value: one side is silently overruled.
     computes = asked if asked != "no" else launched.lower()
+    example = " (accelerate_configs/fsdp2_cpu.yaml)" if asked == "no" else ""
     return (f"the accelerate config launches with mixed_precision: {launched} but the recipe says bf16: "
-            f"{str(t.bf16).lower()}, fp16: {str(t.fp16).lower()}; the run would compute in {computes} and its export "
-            f"check would compare against the wrong precision. Make them agree: launch with an accelerate config whose "
-            f"mixed_precision is {asked!r} (accelerate_configs/fsdp2_cpu.yaml has 'no'), or change bf16/fp16 in the recipe")
+            f"{str(t.bf16).lower()}, fp16: {str(t.fp16).lower()}, so the run would silently compute in {computes} (and "
+            f"an fp32 export check then fails); make them agree: launch with an accelerate config whose mixed_precision "
+            f"is {asked!r}{example}, or change bf16/fp16 in the recipe")
 
 
 def batch_the_world_cannot_produce(recipe: Recipe, ctx: LintContext) -> str | None:
