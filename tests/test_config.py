@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 
 import pytest
 import yaml
 
-from sft_recipes.config import RecipeError, load_recipe, parse_cli_overrides
+from sft_recipes.config import RECIPE_DATACLASSES, RecipeError, _type_hints, load_recipe, parse_cli_overrides
+from sft_recipes.value_ranges import RANGES, UNCHECKED
 
 BASE = {
     "model_name_or_path": "tiny:llama",
@@ -155,19 +157,13 @@ def test_sentinels_and_boundaries_are_accepted(tmp_path):
     assert (recipe.training.max_steps, recipe.training.max_length, recipe.training.max_grad_norm) == (-1, None, 0.0)
 
 
+def holds_numbers(annotation) -> bool:
+    """int, float, or a type built from them (int | None, dict[str, int], ...)."""
+    return annotation in (int, float) or any(holds_numbers(arg) for arg in typing.get_args(annotation))
+
+
 def test_every_numeric_field_has_a_range_or_a_reason():
-    import dataclasses
-
-    from sft_recipes.config import RECIPE_DATACLASSES, _type_hints
-    from sft_recipes.value_ranges import RANGES, UNCHECKED
-
-    numeric = set()
-    for cls in RECIPE_DATACLASSES:
-        hints = _type_hints(cls)
-        for f in dataclasses.fields(cls):
-            names = {getattr(arg, "__name__", "") for arg in (hints[f.name], *typing.get_args(hints[f.name]))}
-            names |= {getattr(arg, "__name__", "") for a in typing.get_args(hints[f.name]) for arg in typing.get_args(a)}
-            if f.init and names & {"int", "float"}:
-                numeric.add(f.name)
+    numeric = {f.name for cls in RECIPE_DATACLASSES for f in dataclasses.fields(cls)
+               if f.init and holds_numbers(_type_hints(cls)[f.name])}
     assert numeric - set(RANGES) - set(UNCHECKED) == set(), "give each new numeric field a range in value_ranges.py"
     assert set(RANGES) | set(UNCHECKED) <= numeric, "a range for a field that no longer exists"

@@ -17,7 +17,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Range:
-    low: float | None = None
+    low: float
     high: float | None = None
     low_open: bool = False  # low itself is excluded
     high_open: bool = False
@@ -29,17 +29,15 @@ class Range:
             return True
         if not math.isfinite(value):
             return False
-        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        above = value > self.low if self.low_open else value >= self.low
         below = self.high is None or (value < self.high if self.high_open else value <= self.high)
         return above and below
 
     def describe(self, integer: bool = False) -> str:
-        if self.low is not None and self.high is not None:
+        if self.high is not None:
             text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
-        elif self.low is not None:
-            text = f"{'>' if self.low_open else '>='} {self.low:g}"
         else:
-            text = f"{'<' if self.high_open else '<='} {self.high:g}"
+            text = f"{'>' if self.low_open else '>='} {self.low:g}"
         text = f"{'an integer' if integer else 'a finite number'} {text}"
         if self.also:
             text += " or " + " or ".join(str(v) for v in self.also)
