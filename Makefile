@@ -50,9 +50,11 @@ llama-multinode: setup
 	scripts/launch_multinode.sh $(LLAMA_CONFIG) $(LLAMA_RECIPE) $(ARGS)
 
 qwen27b: setup
+	@$(PY) -m sft_recipes.preflight_launch accelerate_configs/fsdp2_8gpu.yaml recipes/qwen27b.yaml
 	accelerate launch --config_file accelerate_configs/fsdp2_8gpu.yaml scripts/sft.py recipes/qwen27b.yaml $(ARGS)
 
 gptoss120b: setup
+	@$(PY) -m sft_recipes.preflight_launch accelerate_configs/fsdp2_8gpu.yaml recipes/gptoss120b.yaml
 	accelerate launch --config_file accelerate_configs/fsdp2_8gpu.yaml scripts/sft.py recipes/gptoss120b.yaml $(ARGS)
 
 clean:

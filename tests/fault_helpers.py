@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import threading
 import time
@@ -126,3 +127,12 @@ def finish(launcher: Run, watch_ranks: tuple[int, ...] = ()) -> Finished:
     for rank in watch_ranks:
         gone_at.setdefault(rank, time.monotonic())
     return Finished(returncode, launcher.output, gone_at)
+
+
+# torchrun's failure report: one block per failed rank, "rank : R (local_rank: R)" then "exitcode : C".
+_RANK_EXIT = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def rank_exit_codes(launcher_output: str) -> dict[int, int]:
+    """Each failed rank's own exit code, as torchrun reports it."""
+    return {int(rank): int(code) for rank, code in _RANK_EXIT.findall(launcher_output)}

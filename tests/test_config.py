@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 import pytest
 import yaml
 
-from sft_recipes.config import RecipeError, load_recipe, parse_cli_overrides
+from sft_recipes.config import RECIPE_DATACLASSES, RecipeError, _type_hints, load_recipe, parse_cli_overrides
+from sft_recipes.value_ranges import RANGES, UNCHECKED
 
 BASE = {
     "model_name_or_path": "tiny:llama",
@@ -111,3 +115,55 @@ def test_all_problems_are_reported_at_once(tmp_path):
     with pytest.raises(RecipeError) as err:
         load_recipe(write_recipe(tmp_path, max_steps="x", bogus_key=1))
     assert "'max_steps' must be an integer" in str(err.value) and "unknown key 'bogus_key'" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("max_length", 0, "'max_length' must be an integer >= 1 (tokens per sequence; null for no limit), got 0"),
+        ("max_length", -1, "'max_length' must be an integer >= 1 (tokens per sequence; null for no limit), got -1"),
+        ("learning_rate", float("nan"), "'learning_rate' must be a finite number > 0, got nan"),
+        ("learning_rate", float("inf"), "'learning_rate' must be a finite number > 0, got inf"),
+        ("learning_rate", -1.0, "'learning_rate' must be a finite number > 0, got -1.0"),
+        ("max_steps", 0, "'max_steps' must be an integer >= 1 or -1 (-1: train num_train_epochs), got 0"),
+        ("max_dropped_share", 1.5, "'max_dropped_share' must be a finite number in [0, 1], got 1.5"),
+        ("lora_rank_pattern", {"mlp.experts.down_proj": 0}, "'lora_rank_pattern['mlp.experts.down_proj']' must be an integer >= 1, got 0"),
+    ],
+)
+def test_number_outside_its_range_is_named_with_the_range(tmp_path, key, value, expected):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(write_recipe(tmp_path, **{key: value}))
+    assert expected in str(err.value)
+
+
+def test_nan_from_the_command_line_is_refused(tmp_path):
+    with pytest.raises(RecipeError, match="'learning_rate' must be a finite number > 0, got nan"):
+        load_recipe(write_recipe(tmp_path), ["--learning_rate", "nan"])
+
+
+def test_every_range_problem_is_reported_at_once(tmp_path):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(write_recipe(tmp_path, max_length=0, learning_rate=float("nan"), per_device_train_batch_size=0,
+                                 adam_beta2=1.0, max_steps="x"))
+    message = str(err.value)
+    for key in ("max_length", "learning_rate", "per_device_train_batch_size", "adam_beta2"):
+        assert f"'{key}' must be" in message, key
+    assert "'max_steps' must be an integer, got 'x'" in message
+
+
+def test_sentinels_and_boundaries_are_accepted(tmp_path):
+    recipe = load_recipe(write_recipe(tmp_path, max_steps=-1, max_length=None, max_grad_norm=0.0, warmup_steps=0.03,
+                                      max_dropped_share=0.0, lora_dropout=0.0))
+    assert (recipe.training.max_steps, recipe.training.max_length, recipe.training.max_grad_norm) == (-1, None, 0.0)
+
+
+def holds_numbers(annotation) -> bool:
+    """int, float, or a type built from them (int | None, dict[str, int], ...)."""
+    return annotation in (int, float) or any(holds_numbers(arg) for arg in typing.get_args(annotation))
+
+
+def test_every_numeric_field_has_a_range_or_a_reason():
+    numeric = {f.name for cls in RECIPE_DATACLASSES for f in dataclasses.fields(cls)
+               if f.init and holds_numbers(_type_hints(cls)[f.name])}
+    assert numeric - set(RANGES) - set(UNCHECKED) == set(), "give each new numeric field a range in value_ranges.py"
+    assert set(RANGES) | set(UNCHECKED) <= numeric, "a range for a field that no longer exists"

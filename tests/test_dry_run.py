@@ -54,9 +54,26 @@ def test_dry_run_lints_with_the_accelerate_config(tmp_path):
     assert result.returncode == 2 and "activation checkpointing is on twice" in result.stderr
 
 
-def test_dry_run_needs_a_world_size():
-    result = run_command([bin_path("python"), "scripts/sft.py", "recipes/llama8b.yaml", "--dry-run"])
+def test_dry_run_needs_a_world_size(tmp_path):
+    # A recipe whose header names no accelerate config, planned without --config_file.
+    recipe = tmp_path / "bare.yaml"
+    recipe.write_text("\n".join(line for line in (REPO_ROOT / "recipes" / "llama8b.yaml").read_text().splitlines()
+                                 if not line.startswith("#")))
+    result = run_command([bin_path("python"), "scripts/sft.py", str(recipe), "--dry-run"])
     assert result.returncode == 2 and "pass --config_file" in result.stderr
+    assert f"{recipe} names no accelerate config in its header: planned without one" in result.stderr
+
+
+def test_dry_run_without_config_file_takes_the_one_the_recipe_header_names(tmp_path):
+    named, _ = dry_run(tmp_path, "qwen27b.yaml", "fsdp2_8gpu.yaml", "Qwen__Qwen3.5-27B.derived.json")
+    plan_path = tmp_path / "plan.json"
+    result = run_command([bin_path("python"), "scripts/sft.py", "recipes/qwen27b.yaml", "--dry-run", "--world_size", "8",
+                          "--model_name_or_path", str(CONFIGS / "Qwen__Qwen3.5-27B.derived.json"),
+                          "--plan-json", str(plan_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "using accelerate_configs/fsdp2_8gpu.yaml, the config of the launch command" in result.stderr
+    # FSDP's activation checkpointing (only in the config) is planned: not the ~670 GiB per GPU without it.
+    assert json.loads(plan_path.read_text())["per_device_memory_gib"] == named["per_device_memory_gib"]
 
 
 def test_gptoss120b_lora_fits_8_h100(tmp_path):
@@ -64,3 +81,12 @@ def test_gptoss120b_lora_fits_8_h100(tmp_path):
     assert plan["fits"]["H100"] and plan["world_size"] == 8
     assert plan["total_params"] == pytest.approx(116.8e9, rel=0.01)
     assert plan["trainable_params"] < 0.01 * plan["total_params"]
+
+
+def test_dry_run_refuses_a_recipe_whose_precision_differs_from_the_accelerate_config():
+    # The reproduction: the 8-GPU config (bf16) with the fp32 tiny recipe trained in bf16 autocast and
+    # then failed its export check; the linter now stops it before anything loads.
+    result = run_command([bin_path("python"), "scripts/sft.py", "recipes/tiny/llama8b.yaml", "--dry-run",
+                          "--config_file", "accelerate_configs/fsdp2_8gpu.yaml"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "mixed_precision: bf16 but the recipe says bf16: false" in result.stderr

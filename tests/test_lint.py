@@ -46,8 +46,6 @@ CASES = {
     "block_packing_needs_chat_data": (
         {"pack_blocks": True, "dataset_format": "alpaca", "dataset_name": "data/samples/alpaca.jsonl"}, {}, {},
         "pack_blocks needs a chat dataset_format"),
-    "packing_window_below_one": (
-        {"pack_blocks": True, "split_examples": False, "packing_window": 0}, {}, {}, "packing_window must be at least 1"),
     "packing_architecture_needs_our_fixes": (
         {"packing": True}, {"model_config": tiny_config("gpt_oss")}, {}, "use `pack_blocks: true`"),
     "hybrid_model_without_reference_kernels": (
@@ -60,6 +58,9 @@ CASES = {
         "are not in LlamaForCausalLM; its module classes are: .*LlamaDecoderLayer"),
     "cpu_offload_without_accelerator": (
         {}, {}, {"FSDP_OFFLOAD_PARAMS": "true"}, "set fsdp_offload_params: false on CPU"),
+    "mixed_precision_differs_from_launch": (
+        {}, {}, {"ACCELERATE_MIXED_PRECISION": "bf16"},
+        "the accelerate config launches with mixed_precision: bf16 but the recipe says bf16: false"),
     "batch_the_world_cannot_produce": (
         {"global_batch_size": 100}, {"world_size": 16}, {}, "cannot be made on 16 processes"),
 }
@@ -78,6 +79,7 @@ def test_rule_triggers_with_its_fix(rule, tmp_path, monkeypatch):
 def test_rule_stays_quiet_on_a_sound_recipe(rule, tmp_path, monkeypatch):
     for name in ("FSDP_ACTIVATION_CHECKPOINTING", "FSDP_OFFLOAD_PARAMS"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # as fsdp2_cpu.yaml launches; the recipe is fp32 too
     sound = {"pack_blocks": True, "global_batch_size": 128, "fsdp_wrap_classes": ["Qwen3_5DecoderLayer"]}
     lint(recipe(tmp_path, **sound), world_size=16, model_config=tiny_config("qwen3_5"))  # registered hybrid: fine
 
@@ -118,3 +120,13 @@ def test_global_batch_in_tokens(tmp_path):
     assert derive_gradient_accumulation(rec.training, world_size=2)[0] == 4
     with pytest.raises(ValueError, match="not a whole number of max_length=32768-token sequences"):
         derive_gradient_accumulation(recipe(tmp_path, global_batch_tokens=1000, max_length=32768).training, 8)
+
+
+def test_recipe_precision_must_match_the_launch_in_both_directions(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    lint(recipe(tmp_path, bf16=True))  # fsdp2_8gpu.yaml with a GPU recipe
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    with pytest.raises(RecipeError, match="launches with mixed_precision: no but the recipe says bf16: true"):
+        lint(recipe(tmp_path, bf16=True))
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+    lint(recipe(tmp_path, bf16=True))  # plain `python scripts/sft.py`: no launcher to disagree with

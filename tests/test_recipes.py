@@ -85,3 +85,40 @@ def test_llama_recipe_is_the_seed():
     assert t.optim.value.startswith("adamw") and t.bf16 and t.weight_decay == 0.01  # torch.optim.AdamW's default
     assert m.mlflow_experiment_name == "air-multinode-llama-sft" and "mlflow" in t.report_to
     assert t.output_dir.startswith("/Volumes/main/default/air_checkpoints/")
+
+
+# What each seed (shared/seeds/) sets, in recipe keys: its explicit arguments and the defaults its code relies on.
+SEED_VALUES = {
+    "llama8b.yaml": {  # 000: torch.optim.AdamW(lr), FSDP1 MixedPrecision(bf16 params/reduce), saves once at the end
+        "max_length": 1024, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+        "learning_rate": 2e-5, "max_steps": 100, "optim": "adamw_torch", "weight_decay": 0.01,
+        "lr_scheduler_type": "constant", "max_grad_norm": 1.0, "dtype": "bfloat16", "fsdp_reduce_dtype": "bfloat16",
+        "save_strategy": "no", "seed": 0,
+    },
+    "qwen27b.yaml": {  # 001: AdamW(lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0, fused=True), no clipping, no saves
+        "max_length": 32768, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1,
+        "learning_rate": 1e-5, "adam_beta1": 0.9, "adam_beta2": 0.95, "weight_decay": 0.0, "optim": "adamw_torch_fused",
+        "lr_scheduler_type": "constant", "max_grad_norm": 0.0, "dtype": "bfloat16", "fsdp_reduce_dtype": "float32",
+        "dataloader_num_workers": 1, "save_strategy": "no", "logging_steps": 100, "seed": 0,
+    },
+    "gptoss120b.yaml": {  # 003: its SFTConfig and LoraConfig; accelerate's default FSDP2 policy reduces in bf16
+        "max_length": 2048, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 4,
+        "learning_rate": 1.5e-4, "num_train_epochs": 1, "lr_scheduler_type": "cosine", "warmup_steps": 0.03,
+        "bf16": True, "logging_steps": 5, "save_strategy": "no", "lora_r": 32, "lora_alpha": 32, "lora_dropout": 0.0,
+        "fsdp_reduce_dtype": "bfloat16",
+    },
+}
+
+
+@pytest.mark.parametrize("name", SEED_VALUES)
+def test_recipe_header_names_every_key_that_differs_from_its_seed(name):
+    path = REPO_ROOT / "recipes" / name
+    recipe = load_recipe(path, planning=True)
+    header = path.read_text().split("\n\n")[0]
+    differing = []
+    for key, seed_value in SEED_VALUES[name].items():
+        parsed = next(getattr(part, key) for part in (recipe.data, recipe.model, recipe.training) if hasattr(part, key))
+        if getattr(parsed, "value", parsed) != seed_value:
+            differing.append(key)
+    assert differing, "the recipes differ from their seeds on purpose; an empty list means this test lost track"
+    assert [key for key in differing if f"{key}:" not in header] == [], f"{name}: say why in the header"

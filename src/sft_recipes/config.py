@@ -26,6 +26,7 @@ from trl import ModelConfig, ScriptArguments, SFTConfig
 from sft_recipes.data.blocks import PACKING_WINDOW
 from sft_recipes.data.formats import FORMATS
 from sft_recipes.errors import RecipeError
+from sft_recipes.value_ranges import range_problems
 
 DatasetFormatName = Literal[tuple(FORMATS)]
 
@@ -325,6 +326,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
             except TypeError as err:
                 problems.append(f"'{key}' must be {err}, got {value!r} ({type(value).__name__})")
                 break
+    problems += range_problems({key: value for typed in kwargs.values() for key, value in typed.items()})
     if problems:
         raise RecipeError(f"{path}: " + "; ".join(problems) + ".")
 

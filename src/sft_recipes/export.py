@@ -8,6 +8,7 @@ reloading it and comparing logits with the trained model.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +18,17 @@ from accelerate.utils import broadcast_object_list
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from sft_recipes.errors import RecipeError
 from sft_recipes.loading import DTYPES, model_class_for
+
+
+class ExportCheckError(RecipeError):
+    """The exported model or adapter failed its check (a refusal to hand it over: one `error:` line, exit 2);
+    `reason` is short enough to name a folder."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def export_consolidated(trainer, output_dir: str | Path, export_dtype: str = "auto") -> Path:
@@ -93,7 +104,7 @@ def export_adapter(trainer, output_dir: str | Path) -> Path:
             ]
     broadcast_object_list(problem, from_process=0)  # every rank raises, none is left waiting
     if problem[0]:
-        raise RuntimeError(problem[0])
+        raise ExportCheckError(problem[0], reason="adapter-incomplete")
     return output_dir
 
 
@@ -133,9 +144,9 @@ def _compare_with_reloaded(
     broadcast_object_list(outcome, from_process=0)
     diff, tolerance = outcome[0]
     if not diff <= tolerance:
-        raise RuntimeError(
+        raise ExportCheckError(
             f"The exported checkpoint in {output_dir} does not reproduce the trained model: max |logit diff| "
-            f"{diff:.3g} > {tolerance:g}. Do not use it; re-export from the last checkpoint."
+            f"{diff:.3g} > {tolerance:g}.", reason=f"logit-diff-{diff:.3g}"
         )
     return diff
 
@@ -143,14 +154,48 @@ def _compare_with_reloaded(
 def export_run(trainer, model_args, output_dir: str | Path, load_base: Callable[[], torch.nn.Module]
                ) -> tuple[Path, float | None]:
     """The run's final artefact -- a PEFT adapter or a consolidated checkpoint -- and, unless the recipe
-    turned `verify_export` off, the max |logit difference| of its reload against the trained model."""
+    turned `verify_export` off, the max |logit difference| of its reload against the trained model.
+
+    Collective. When a check fails, the files this export wrote are moved to
+    `output_dir/export-FAILED-<reason>-<time>/` (nothing loadable is left where a result belongs) and
+    every rank raises ExportCheckError naming that folder.
+    """
+    output_dir = Path(output_dir)
+    before = _file_stamps(output_dir) if trainer.accelerator.is_main_process else {}
+    try:
+        return output_dir, _export_and_check(trainer, model_args, output_dir, load_base)
+    except ExportCheckError as err:
+        moved: list = [None]
+        if trainer.accelerator.is_main_process:
+            moved = [str(set_export_aside(output_dir, before, err.reason))]
+        broadcast_object_list(moved, from_process=0)
+        raise ExportCheckError(f"{err} Its files were moved to {moved[0]}/ so that nothing in {output_dir} can be "
+                               "taken for a result; re-export from the last checkpoint.", err.reason) from None
+
+
+def _export_and_check(trainer, model_args, output_dir: Path, load_base: Callable[[], torch.nn.Module]) -> float | None:
     if model_args.use_peft:
-        output_dir = export_adapter(trainer, output_dir)
+        export_adapter(trainer, output_dir)
     else:
-        output_dir = export_consolidated(trainer, output_dir, model_args.export_dtype)
+        export_consolidated(trainer, output_dir, model_args.export_dtype)
     if not model_args.verify_export:
-        return output_dir, None
+        return None
     probe_ids = first_input_ids(trainer.training_data)[:64]
     if model_args.use_peft:
-        return output_dir, verify_adapter_export(trainer, output_dir, load_base, probe_ids)
-    return output_dir, verify_export(trainer, output_dir, probe_ids)
+        return verify_adapter_export(trainer, output_dir, load_base, probe_ids)
+    return verify_export(trainer, output_dir, probe_ids)
+
+
+def _file_stamps(directory: Path) -> dict[str, int]:
+    """Top-level files of `directory` -> modification time (ns); checkpoints are folders and not included."""
+    return {p.name: p.stat().st_mtime_ns for p in directory.iterdir() if p.is_file()} if directory.is_dir() else {}
+
+
+def set_export_aside(output_dir: Path, before: dict[str, int], reason: str) -> Path:
+    """Move every top-level file written or rewritten since `before` into a folder named for the failure."""
+    aside = output_dir / f"export-FAILED-{reason}-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir()
+    for name, stamp in _file_stamps(output_dir).items():
+        if before.get(name) != stamp:
+            (output_dir / name).rename(aside / name)
+    return aside

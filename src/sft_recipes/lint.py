@@ -8,6 +8,7 @@ lora_dropout with target_parameters) live in that dataclass's __post_init__ and 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -58,12 +59,6 @@ def trl_packing_with_block_packing(recipe: Recipe, ctx: LintContext) -> str | No
 def block_packing_needs_chat_data(recipe: Recipe, ctx: LintContext) -> str | None:
     if recipe.data.pack_blocks and recipe.data.dataset_format not in CHAT_FORMATS:
         return f"pack_blocks needs a chat dataset_format, one of {CHAT_FORMATS} (got {recipe.data.dataset_format!r})"
-    return None
-
-
-def packing_window_below_one(recipe: Recipe, ctx: LintContext) -> str | None:
-    if recipe.data.packing_window < 1:
-        return f"packing_window must be at least 1 (1 packs in arrival order), got {recipe.data.packing_window}"
     return None
 
 
@@ -126,6 +121,21 @@ def bf16_without_hardware_support(recipe: Recipe, ctx: LintContext) -> str | Non
     return None
 
 
+def mixed_precision_differs_from_launch(recipe: Recipe, ctx: LintContext) -> str | None:
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")  # `accelerate launch` exports the config's mixed_precision
+    t = recipe.training
+    asked = "fp16" if t.fp16 else "bf16" if t.bf16 else "no"
+    if launched is None or launched.lower() == asked:
+        return None
+    # transformers takes the recipe's bf16/fp16 when set, else the launcher's value: one side is silently overruled.
+    computes = asked if asked != "no" else launched.lower()
+    example = " (accelerate_configs/fsdp2_cpu.yaml)" if asked == "no" else ""
+    return (f"the accelerate config launches with mixed_precision: {launched} but the recipe says bf16: "
+            f"{str(t.bf16).lower()}, fp16: {str(t.fp16).lower()}, so the run would silently compute in {computes} (and "
+            f"an fp32 export check then fails); make them agree: launch with an accelerate config whose mixed_precision "
+            f"is {asked!r}{example}, or change bf16/fp16 in the recipe")
+
+
 def batch_the_world_cannot_produce(recipe: Recipe, ctx: LintContext) -> str | None:
     t = recipe.training
     if (t.global_batch_size or t.global_batch_tokens) and "gradient_accumulation_steps" in recipe.values:
@@ -142,12 +152,12 @@ RULES = (
     activation_checkpointing_twice,
     trl_packing_with_block_packing,
     block_packing_needs_chat_data,
-    packing_window_below_one,
     packing_architecture_needs_our_fixes,
     hybrid_model_without_reference_kernels,
     wrap_class_absent_from_model,
     cpu_offload_without_accelerator,
     bf16_without_hardware_support,
+    mixed_precision_differs_from_launch,
     batch_the_world_cannot_produce,
 )
 

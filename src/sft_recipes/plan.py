@@ -48,6 +48,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -517,6 +519,7 @@ _LAUNCH_ENV = {
     "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS",
     "fsdp_version": "FSDP_VERSION",
 }
+_HEADER_CONFIG = re.compile(r"accelerate_configs/[\w.-]+\.yaml")
 
 
 def read_accelerate_config(path: str | os.PathLike) -> dict:
@@ -524,6 +527,45 @@ def read_accelerate_config(path: str | os.PathLike) -> dict:
     if not path.is_file():
         raise RecipeError(f"accelerate config not found: {path} (see accelerate_configs/).")
     return yaml.safe_load(path.read_text()) or {}
+
+
+def accelerate_config_for_plan(config_file: str | None, recipe_path: str | os.PathLike) -> dict | None:
+    """--config_file, else the config named in the recipe header's launch command -- said loudly either way.
+
+    Planning without the config would drop what only the config holds (activation checkpointing,
+    mixed precision): Qwen at 32k then shows ~670 GiB per GPU instead of what the launch would use.
+    """
+    if config_file:
+        return read_accelerate_config(config_file)
+    named = header_accelerate_config(recipe_path)
+    if named is None:
+        if Path(recipe_path).is_file():  # else load_recipe reports the missing recipe
+            print(f"warning: --dry-run without --config_file and {recipe_path} names no accelerate config in its "
+                  "header: planned without one (no FSDP activation checkpointing; precision from the recipe alone)",
+                  file=sys.stderr)
+        return None
+    print(f"note: --dry-run without --config_file: using {named}, the config of the launch command in "
+          f"{recipe_path}'s header (pass --config_file to plan another)", file=sys.stderr)
+    return read_accelerate_config(named)
+
+
+def header_accelerate_config(recipe_path: str | os.PathLike) -> Path | None:
+    """The first accelerate_configs/*.yaml named in the recipe's leading comment block, found from the cwd or the recipe up."""
+    recipe_path = Path(recipe_path)
+    if not recipe_path.is_file():
+        return None
+    header = []
+    for line in recipe_path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    match = _HEADER_CONFIG.search("\n".join(header))
+    if match is None:
+        return None
+    for root in (Path.cwd(), *recipe_path.resolve().parents):
+        if (root / match.group(0)).is_file():
+            return root / match.group(0) if root != Path.cwd() else Path(match.group(0))
+    return Path(match.group(0))  # read_accelerate_config names it as missing
 
 
 def export_launch_environment(accelerate_config: dict) -> None:
@@ -534,6 +576,8 @@ def export_launch_environment(accelerate_config: dict) -> None:
     for key, env in _LAUNCH_ENV.items():
         if key in fsdp:
             os.environ[env] = str(fsdp[key]).lower()
+    if "mixed_precision" in accelerate_config:
+        os.environ["ACCELERATE_MIXED_PRECISION"] = str(accelerate_config["mixed_precision"]).lower()
 
 
 def planned_world_size(accelerate_config: dict | None, world_size: int | None) -> int:
@@ -586,7 +630,7 @@ def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None
     from sft_recipes.config import load_recipe
     from sft_recipes.lint import LintContext, lint_recipe
 
-    accelerate_config = read_accelerate_config(config_file) if config_file else None
+    accelerate_config = accelerate_config_for_plan(config_file, recipe_path)
     if accelerate_config:
         export_launch_environment(accelerate_config)
     world_size = planned_world_size(accelerate_config, world_size)

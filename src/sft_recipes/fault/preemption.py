@@ -15,7 +15,7 @@ import signal
 
 from transformers import TrainerCallback
 
-from sft_recipes.fault.agreement import agree_max
+from sft_recipes.fault.agreement import agree_max, barrier
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +57,18 @@ class PreemptionCallback(TrainerCallback):
                                signal.Signals(signum).name, state.global_step, state.max_steps)
 
     def on_train_end(self, args, state, control, **kwargs):
-        for sig, handler in self._previous_handlers.items():
-            signal.signal(sig, handler)
-        if self.stopped_at_step is not None:
-            if state.is_world_process_zero:
-                print(f"[preempted] stopped at step {self.stopped_at_step} of {state.max_steps}; checkpoint: "
-                      f"{args.output_dir}/checkpoint-{self.stopped_at_step}; exit {REQUEUE_EXIT_CODE} (requeue the job: "
-                      "resume_from_checkpoint: auto continues from this checkpoint)", flush=True)
-            raise SystemExit(REQUEUE_EXIT_CODE)
+        if self.stopped_at_step is None:
+            for sig, handler in self._previous_handlers.items():
+                signal.signal(sig, handler)
+            return
+        # The agreed checkpoint is complete on every rank. The first rank to exit 75 makes torchrun SIGTERM the
+        # others, which may still be tearing down: from here that signal is ignored, so every rank exits 75 (a
+        # requeue wrapper checks each) -- and no rank exits before every rank ignores it.
+        for sig in PREEMPTION_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        barrier(args.ddp_timeout)
+        if state.is_world_process_zero:
+            print(f"[preempted] stopped at step {self.stopped_at_step} of {state.max_steps}; checkpoint: "
+                  f"{args.output_dir}/checkpoint-{self.stopped_at_step}; exit {REQUEUE_EXIT_CODE} (requeue the job: "
+                  "resume_from_checkpoint: auto continues from this checkpoint)", flush=True)
+        raise SystemExit(REQUEUE_EXIT_CODE)

@@ -1,0 +1,79 @@
+"""A failed export check leaves nothing in output_dir that could be taken for a result (single process)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sft_recipes import export
+from sft_recipes.export import ExportCheckError, export_run
+from sft_recipes.tiny import ensure_tiny
+
+EXPORTED = {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+
+
+class OneProcessAccelerator:
+    """What the export touches of an Accelerator, for one process without a launcher."""
+
+    is_main_process = True
+    device = torch.device("cpu")
+
+    def get_state_dict(self, model):
+        return model.state_dict()
+
+    def unwrap_model(self, model):
+        return model
+
+    def wait_for_everyone(self):
+        pass
+
+
+@pytest.fixture
+def trainer():
+    path = ensure_tiny("llama")
+    return SimpleNamespace(accelerator=OneProcessAccelerator(), model=AutoModelForCausalLM.from_pretrained(path),
+                           processing_class=AutoTokenizer.from_pretrained(path),
+                           training_data=[{"input_ids": [5, 17, 42, 9, 3, 28]}])
+
+
+@pytest.fixture
+def output_dir(tmp_path):
+    (tmp_path / "checkpoint-2").mkdir()  # the run's checkpoints and earlier files are not the export's
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("written before the export")
+    return tmp_path
+
+
+MODEL_ARGS = SimpleNamespace(use_peft=False, export_dtype="auto", verify_export=True)
+
+
+def test_a_faithful_export_stays_in_place(trainer, output_dir):
+    _, diff = export_run(trainer, MODEL_ARGS, output_dir, load_base=None)
+    assert diff <= 1e-4
+    assert EXPORTED <= {p.name for p in output_dir.iterdir()}
+    assert not list(output_dir.glob("export-FAILED-*"))
+
+
+def test_a_failed_check_moves_the_export_aside_and_raises(trainer, output_dir, monkeypatch):
+    write = export.export_consolidated
+
+    def export_then_drift(trainer, *args, **kwargs):
+        # The trained model no longer matches what was written, as with the issue's bf16-autocast run.
+        written = write(trainer, *args, **kwargs)
+        with torch.no_grad():
+            trainer.model.model.norm.weight.mul_(1.5)
+        return written
+
+    monkeypatch.setattr(export, "export_consolidated", export_then_drift)
+    with pytest.raises(ExportCheckError, match=r"max \|logit diff\| .* > 0.0001\. Its files were moved to .*export-FAILED-logit-diff-"):
+        export_run(trainer, MODEL_ARGS, output_dir, load_base=None)
+
+    left = {p.name for p in output_dir.iterdir()}
+    assert left & EXPORTED == set(), left
+    aside = next(output_dir.glob("export-FAILED-logit-diff-*"))
+    assert EXPORTED <= {p.name for p in aside.iterdir()}
+    assert (output_dir / "notes.txt").read_text() == "written before the export"
+    assert (output_dir / "checkpoint-2" / "trainer_state.json").is_file()
