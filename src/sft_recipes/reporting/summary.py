@@ -21,13 +21,19 @@ class RunSummaryCallback(TrainerCallback):
         self.step_seconds: list[float] = []
         self.mlflow_run_id: str | None = None
         self.last_metrics: dict[str, float] = {}  # the newest throughput/packing figures logged
+        self.world_size = 1
+        self.world_size_at_checkpoint: int | None = None  # set before training when resuming
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.world_size = args.world_size
         if state.is_world_process_zero and "mlflow" in (args.report_to or []):
             import mlflow  # MLflowCallback, earlier in the callback list, has started the run
 
             run = mlflow.active_run()
             self.mlflow_run_id = run.info.run_id if run else None
+            if run:  # a resume on another world size shows in the run's parameters
+                mlflow.log_params({"world_size": self.world_size,
+                                   "world_size_at_checkpoint": str(self.world_size_at_checkpoint)})
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_started = time.perf_counter()
@@ -56,6 +62,8 @@ class RunSummaryCallback(TrainerCallback):
             "steps": self.last_step,
             "steps_this_run": steps_run,
             "resumed_from": resumed_from,
+            "world_size": self.world_size,
+            "world_size_at_checkpoint": self.world_size_at_checkpoint,  # null: fresh, or an older marker
             "train_seconds": round(train_seconds, 3),
             "seconds_per_step": round(sum(self.step_seconds) / steps_run, 4) if steps_run else None,
             "final_loss": self.losses[max(self.losses)] if self.losses else None,
