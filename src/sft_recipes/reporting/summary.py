@@ -85,7 +85,9 @@ class RunSummaryCallback(TrainerCallback):
         speed = report["tokens_per_second_per_device"]
         throughput = f", {speed:,.0f} tokens/s/device" if speed else ""
         mfu = f", MFU {report['mfu']:.1%}" if report["mfu"] else ""
+        then, now = report["world_size_at_checkpoint"], report["world_size"]
+        moved = f", resumed on {now} process(es) from {then}" if then not in (None, now) else ""
         return (
             f"[train] {report['steps']} steps in {report['train_seconds']:.1f}s ({per_step}{throughput}{mfu}), "
-            f"final loss={loss} | checkpoint: {report['checkpoint']}"
+            f"final loss={loss}{moved} | checkpoint: {report['checkpoint']}"
         )
