@@ -185,5 +185,5 @@ def test_a_resume_on_another_world_size_reproduces_the_uninterrupted_losses(elas
 @pytest.mark.fsdp
 def test_mlflow_shows_the_world_size_change(elastic_runs):
     _, store = elastic_runs
-    params = dict(sqlite3.connect(store).execute("select key, value from params"))
-    assert (params["world_size"], params["world_size_at_checkpoint"]) == ("1", "2")
+    tags = dict(sqlite3.connect(store).execute("select key, value from tags"))
+    assert (tags["world_size"], tags["world_size_at_checkpoint"]) == ("1", "2")

@@ -31,9 +31,9 @@ class RunSummaryCallback(TrainerCallback):
 
             run = mlflow.active_run()
             self.mlflow_run_id = run.info.run_id if run else None
-            if run:  # a resume on another world size shows in the run's parameters
-                mlflow.log_params({"world_size": self.world_size,
-                                   "world_size_at_checkpoint": str(self.world_size_at_checkpoint)})
+            if run:  # tags, not params: a retry logging into the same run (MLFLOW_RUN_ID) may change them
+                mlflow.set_tags({"world_size": self.world_size,
+                                 "world_size_at_checkpoint": str(self.world_size_at_checkpoint)})
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_started = time.perf_counter()
