@@ -126,6 +126,12 @@ def test_a_packed_stream_resumes_only_with_the_same_readers(tmp_path, monkeypatc
     two_workers = recipe_identity(load_recipe(qwen, []))
     assert two_workers["packed_stream_readers (ranks x dataloader_num_workers)"] == 2  # one process here, 2 workers
     make_checkpoint(tmp_path, 4, two_workers, 100.0, monkeypatch)
-    with pytest.raises(ValueError, match=r"packed_stream_readers \(ranks x dataloader_num_workers\): 2 there, 1 here"):
+    with pytest.raises(ValueError) as error:
         protect_output_dir(load_recipe(qwen, ["--dataloader_num_workers", "0"]), args_for(tmp_path))
+    assert str(error.value).startswith(f"{tmp_path}/checkpoint-4 was written by 2 packed-stream readers (processes x "
+                                       "dataloader workers), this run has 1.")
+    assert "i.e. 1 x 2, 2 x 1 (dataloader_num_workers 0 counts as 1)" in str(error.value)
     assert protect_output_dir(load_recipe(qwen, []), args_for(tmp_path)) == []  # same readers: resumes
+    two_processes_one_worker = load_recipe(qwen, ["--dataloader_num_workers", "1"])
+    monkeypatch.setattr(type(two_processes_one_worker.training), "world_size", property(lambda self: 2))
+    assert protect_output_dir(two_processes_one_worker, args_for(tmp_path)) == []  # 2 x 1 == 1 x 2: resumes

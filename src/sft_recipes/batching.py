@@ -41,3 +41,9 @@ def derive_gradient_accumulation(training_args, world_size: int) -> tuple[int, s
     accumulation = global_sequences // per_step
     return accumulation, (f"global batch {global_sequences} {unit} = {micro} per device x {world_size} processes "
                           f"x {accumulation} accumulation steps (derived)")
+
+
+def global_batch_sequences(training_args) -> int:
+    """Sequences per optimizer step as the run makes them: per device x processes x accumulation steps."""
+    return (training_args.per_device_train_batch_size * training_args.world_size
+            * training_args.gradient_accumulation_steps)

@@ -14,6 +14,7 @@ from trl import SFTTrainer
 from sft_recipes.data.blocks import RankLocalBlockStream, StopWhenAnyRankExhausted, StreamStats
 from sft_recipes.export import export_adapter
 from sft_recipes.fault.uneven_shards import EndOfDataTogetherMixin
+from sft_recipes.fault.world_size import whole_global_batches
 from sft_recipes.metrics import ThroughputMeter
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,10 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
     def training_data(self):
         """What the model is really trained on: the block stream, or TRL's prepared dataset."""
         return self.block_stream if self.block_stream is not None else self.train_dataset
+
+    def _get_train_sampler(self, train_dataset=None):
+        # Every step a whole global batch of one world-size-independent permutation (see fault.world_size).
+        return whole_global_batches(super()._get_train_sampler(train_dataset), self.args)
 
     def get_train_dataloader(self) -> DataLoader:
         if self.block_stream is None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from sft_recipes.batching import global_batch_sequences
 from sft_recipes.fault.agreement import barrier
 
 logger = logging.getLogger(__name__)
@@ -87,9 +88,17 @@ def newest_complete_checkpoint(output_dir: str | os.PathLike) -> Checkpoint | No
     return max(complete, key=lambda checkpoint: checkpoint.completed_at, default=None)
 
 
-def write_marker(checkpoint_dir: Path, step: int, fingerprint: str, identity: dict[str, Any]) -> None:
+def training_layout(training_args) -> dict[str, int]:
+    """The layout a checkpoint was written on: what a resume on another world size is checked against."""
+    return {"world_size": training_args.world_size, "dataloader_num_workers": training_args.dataloader_num_workers,
+            "global_batch_sequences": global_batch_sequences(training_args)}
+
+
+def write_marker(checkpoint_dir: Path, step: int, fingerprint: str, identity: dict[str, Any],
+                 layout: dict[str, int] | None = None) -> None:
     """Write COMPLETION_MARKER atomically: a reader sees the whole file or none."""
-    marker = {"step": step, "recipe_fingerprint": fingerprint, "completed_at": time.time(), "recipe": identity}
+    marker = {"step": step, "recipe_fingerprint": fingerprint, "completed_at": time.time(), "recipe": identity,
+              **(layout or {})}
     staging = checkpoint_dir / f".{COMPLETION_MARKER}.tmp"
     with open(staging, "w") as handle:
         json.dump(marker, handle, indent=2, default=str)
@@ -150,7 +159,7 @@ class CheckpointCompletionCallback(TrainerCallback):
         barrier(args.ddp_timeout)  # every rank has written its shards and RNG state
         if state.is_world_process_zero:
             checkpoint_dir = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            write_marker(checkpoint_dir, state.global_step, self.fingerprint, self.identity)
+            write_marker(checkpoint_dir, state.global_step, self.fingerprint, self.identity, training_layout(args))
             for path in rotate_checkpoints(args.output_dir, self.keep, self.fingerprint):
                 logger.info("save_total_limit=%s: deleted %s", self.keep, path)
         barrier(args.ddp_timeout)  # no rank moves on (or exits for requeue) before the marker is on disk

@@ -16,6 +16,7 @@ from sft_recipes.fault.checkpoints import (
     recipe_fingerprint,
 )
 from sft_recipes.errors import RecipeError
+from sft_recipes.fault.world_size import READERS_KEY, readers_refusal, refuse_another_training_layout, stream_readers
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +42,8 @@ def recipe_identity(recipe) -> dict[str, Any]:
     if recipe.data.pack_blocks:
         # Each (rank, dataloader worker) streams its own shard: resumed with another count of readers, the
         # skipped batches would be other data, so the run would re-read some and never see the rest.
-        training = recipe.training
-        identity["packed_stream_readers (ranks x dataloader_num_workers)"] = (
-            training.world_size * max(1, training.dataloader_num_workers))
+        # Only the count matters (2 ranks x 2 workers resumes 4 ranks x 1 worker): see fault.world_size.
+        identity[READERS_KEY] = stream_readers(recipe.training.world_size, recipe.training.dataloader_num_workers)
     return identity
 
 
@@ -52,11 +52,14 @@ def _explicit_resume_path(training_args) -> Path | None:
     return Path(wanted).resolve() if wanted not in (None, "auto") else None
 
 
-def _recipe_diff(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
+def _changed_keys(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     ours = json.loads(json.dumps(ours, default=str))  # compared as the markers store them
-    keys = sorted(set(theirs) | set(ours))
+    return [key for key in sorted(set(theirs) | set(ours)) if theirs.get(key, "<unset>") != ours.get(key, "<unset>")]
+
+
+def _recipe_diff(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
     changed = [f"{key}: {theirs.get(key, '<unset>')!r} there, {ours.get(key, '<unset>')!r} here"
-               for key in keys if theirs.get(key, "<unset>") != ours.get(key, "<unset>")]
+               for key in _changed_keys(theirs, ours)]
     return "; ".join(changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
 
 
@@ -78,6 +81,10 @@ def protect_output_dir(recipe, training_args) -> list[Path]:
     foreign = [c for c in checkpoints if c.complete and c.fingerprint != fingerprint]
     if foreign and not training_args.overwrite_output_dir:
         newest = max(foreign, key=lambda c: c.completed_at)
+        theirs = newest.marker.get("recipe", {})
+        if _changed_keys(theirs, identity) == [READERS_KEY]:  # the same recipe on another packed-stream layout
+            raise RecipeError(f"{readers_refusal(theirs, identity, f'{output_dir}/{newest.path.name}')}, or pass "
+                              "--overwrite_output_dir true to start over here")
         raise RecipeError(
             f"output_dir {output_dir} holds checkpoints of another recipe ({', '.join(c.path.name for c in foreign)}): "
             f"{_recipe_diff(newest.marker.get('recipe', {}), identity)}. Resuming would mix two trainings. Use "
@@ -102,7 +109,18 @@ def protect_output_dir(recipe, training_args) -> list[Path]:
 
 
 def resolve_resume_checkpoint(training_args) -> str | None:
-    """`resume_from_checkpoint`: None (fresh), "auto" (newest complete one in output_dir, else fresh) or a path."""
+    """`resume_from_checkpoint`: None (fresh), "auto" (newest complete one in output_dir, else fresh) or a path.
+
+    Another world size resumes when the global batch (and, for packed streams, the reader count) is the
+    same; otherwise RecipeError names what would change and the fix (see `fault.world_size`).
+    """
+    chosen = _resume_checkpoint(training_args)
+    if chosen is not None:
+        refuse_another_training_layout(chosen, training_args)
+    return chosen
+
+
+def _resume_checkpoint(training_args) -> str | None:
     wanted = training_args.resume_from_checkpoint
     if wanted is None:
         return None

@@ -21,13 +21,19 @@ class RunSummaryCallback(TrainerCallback):
         self.step_seconds: list[float] = []
         self.mlflow_run_id: str | None = None
         self.last_metrics: dict[str, float] = {}  # the newest throughput/packing figures logged
+        self.world_size = 1
+        self.world_size_at_checkpoint: int | None = None  # set before training when resuming
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.world_size = args.world_size
         if state.is_world_process_zero and "mlflow" in (args.report_to or []):
             import mlflow  # MLflowCallback, earlier in the callback list, has started the run
 
             run = mlflow.active_run()
             self.mlflow_run_id = run.info.run_id if run else None
+            if run:  # tags, not params: a retry logging into the same run (MLFLOW_RUN_ID) may change them
+                mlflow.set_tags({"world_size": self.world_size,
+                                 "world_size_at_checkpoint": str(self.world_size_at_checkpoint)})
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_started = time.perf_counter()
@@ -56,6 +62,8 @@ class RunSummaryCallback(TrainerCallback):
             "steps": self.last_step,
             "steps_this_run": steps_run,
             "resumed_from": resumed_from,
+            "world_size": self.world_size,
+            "world_size_at_checkpoint": self.world_size_at_checkpoint,  # null: fresh, or an older marker
             "train_seconds": round(train_seconds, 3),
             "seconds_per_step": round(sum(self.step_seconds) / steps_run, 4) if steps_run else None,
             "final_loss": self.losses[max(self.losses)] if self.losses else None,
@@ -77,7 +85,9 @@ class RunSummaryCallback(TrainerCallback):
         speed = report["tokens_per_second_per_device"]
         throughput = f", {speed:,.0f} tokens/s/device" if speed else ""
         mfu = f", MFU {report['mfu']:.1%}" if report["mfu"] else ""
+        then, now = report["world_size_at_checkpoint"], report["world_size"]
+        moved = f", resumed on {now} process(es) from {then}" if then not in (None, now) else ""
         return (
             f"[train] {report['steps']} steps in {report['train_seconds']:.1f}s ({per_step}{throughput}{mfu}), "
-            f"final loss={loss} | checkpoint: {report['checkpoint']}"
+            f"final loss={loss}{moved} | checkpoint: {report['checkpoint']}"
         )

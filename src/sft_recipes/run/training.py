@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from sft_recipes.distributed import set_fsdp_reduce_dtype, verify_distributed
 from sft_recipes.fault import fault_tolerance_callbacks
 from sft_recipes.fault.resume import recipe_identity, resolve_resume_checkpoint
+from sft_recipes.fault.world_size import log_world_size_change
 from sft_recipes.metrics import ThroughputMeter
 from sft_recipes.reporting.summary import RunSummaryCallback
 from sft_recipes.reporting.tracking import DataReportCallback, RecipeParamsCallback, configure_mlflow
@@ -31,6 +32,8 @@ class Training:
     def run(self) -> None:
         """Train, resuming as the recipe's `resume_from_checkpoint` says (see `fault.resume`)."""
         self.resumed_from = resolve_resume_checkpoint(self.trainer.args)
+        if self.resumed_from:
+            self.summary.world_size_at_checkpoint = log_world_size_change(self.resumed_from, self.trainer.args)
         start = time.perf_counter()
         self.trainer.train(resume_from_checkpoint=self.resumed_from)
         self.seconds = time.perf_counter() - start
