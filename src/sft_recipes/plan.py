@@ -46,7 +46,6 @@ root unit's reduce-scatter at the end of backward.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import sys
@@ -394,7 +393,8 @@ class Plan:
     def steps_per_epoch(self) -> int | None:
         if self.setup.dataset_sequences is None:
             return None
-        return math.ceil(self.setup.dataset_sequences / self.sequences_per_step)
+        # Every epoch ends on a whole global batch (fault/world_size.py): the partial tail is not trained.
+        return self.setup.dataset_sequences // self.sequences_per_step
 
     @property
     def fits(self) -> dict[str, bool]:
