@@ -11,7 +11,7 @@ from sft_recipes.config import Recipe
 from sft_recipes.data.formats import FORMATS, DatasetFormat, Tokenization
 from sft_recipes.distributed import enable_cpu_fsdp, launched_world_size
 from sft_recipes.fault.collective_timeout import bound_collective_waits
-from sft_recipes.fault.resume import protect_output_dir
+from sft_recipes.fault.resume import protect_output_dir, resolve_resume_checkpoint
 from sft_recipes.lint import LintContext, lint_recipe
 from sft_recipes.loading import ModelSource
 
@@ -25,6 +25,7 @@ class Run:
     recipe: Recipe
     source: ModelSource  # the model's config, read once at its revision, and where its files are
     batch_derivation: str  # how gradient accumulation follows from the global batch, every factor shown
+    resume_from: str | None  # the checkpoint this run continues, chosen (and checked) before anything loads
 
     @property
     def is_main(self) -> bool:
@@ -52,7 +53,8 @@ class Run:
 
 def start_run(recipe: Recipe) -> Run:
     """Lint against the launcher and the model's config, derive the global batch, make FSDP2 real on
-    CPU too, bound every collective wait, keep output_dir to one recipe, and have the model's files ready."""
+    CPU too, bound every collective wait, keep output_dir to one recipe, choose the checkpoint to resume
+    from, and have the model's files ready."""
     source = ModelSource(recipe.model)
     lint_recipe(recipe, LintContext.from_environment(lambda: source.config))
     training = recipe.training
@@ -60,9 +62,10 @@ def start_run(recipe: Recipe) -> Run:
     enable_cpu_fsdp()  # before the Trainer creates its Accelerator: FSDP2 on CPU too
     bound_collective_waits(training)  # a dead or hung rank fails the others within ddp_timeout
     protect_output_dir(recipe, training)  # never mix two recipes' checkpoints
+    resume_from = resolve_resume_checkpoint(training)  # refuses a layout the checkpoint cannot continue on
     with training.main_process_first(local=False, desc="model files"):
         source.ensure_files()  # a tiny stand-in is built once, by the main process
-    run = Run(recipe=recipe, source=source, batch_derivation=derivation)
+    run = Run(recipe=recipe, source=source, batch_derivation=derivation, resume_from=resume_from)
     if run.is_main:
         logger.info("recipe %s -> output_dir %s; %s", recipe.source, training.output_dir, derivation)
     return run

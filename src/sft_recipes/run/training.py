@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from sft_recipes.distributed import set_fsdp_reduce_dtype, verify_distributed
 from sft_recipes.fault import fault_tolerance_callbacks
-from sft_recipes.fault.resume import recipe_identity, resolve_resume_checkpoint
+from sft_recipes.fault.resume import recipe_identity
 from sft_recipes.fault.world_size import log_world_size_change
 from sft_recipes.metrics import ThroughputMeter
 from sft_recipes.reporting.summary import RunSummaryCallback
@@ -30,8 +30,7 @@ class Training:
     seconds: float = 0.0
 
     def run(self) -> None:
-        """Train, resuming as the recipe's `resume_from_checkpoint` says (see `fault.resume`)."""
-        self.resumed_from = resolve_resume_checkpoint(self.trainer.args)
+        """Train, from `resumed_from` when the run continues a checkpoint (chosen by `start_run`)."""
         if self.resumed_from:
             self.summary.world_size_at_checkpoint = log_world_size_change(self.resumed_from, self.trainer.args)
         start = time.perf_counter()
@@ -59,4 +58,4 @@ def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Traini
     set_fsdp_reduce_dtype(trainer, training_args.fsdp_reduce_dtype)
     if run.is_main:
         logger.info("distributed: %s; throughput: %s", layout, throughput.describe())
-    return Training(trainer=trainer, summary=summary, layout=layout)
+    return Training(trainer=trainer, summary=summary, layout=layout, resumed_from=run.resume_from)
