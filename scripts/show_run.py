@@ -39,7 +39,7 @@ def main(output_dir: str) -> int:
     print(f"  summary            {out}/run_summary.json")
     for name, label in (("training_curves.png", "curves picture"), ("samples.md", "samples before/after"),
                         ("README.md", "model card")):
-        print(f"  {label:<19}{out / name if (out / name).is_file() else 'none'}")
+        print(f"  {label:<21}{out / name if (out / name).is_file() else 'none'}")
     print(f"  chat with it       python scripts/chat.py {out}")
     if summary.get("mlflow_tracking_uri"):
         uri = summary["mlflow_tracking_uri"]

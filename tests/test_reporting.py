@@ -109,7 +109,7 @@ def test_card_parses_back_and_names_the_base_model(tmp_path):
     assert "| tatsu-lab/alpaca | r1 | train | 75.0% |" in card.text
     assert "| data/samples/ultrachat.jsonl | unpinned | train | 25.0% |" in card.text
     assert "| final train loss | 2.0000 |" in card.text and "| final eval loss | 2.4000 |" in card.text
-    assert "| tokens seen | 12,345 |" in card.text and "max |diff| 2e-06" in card.text
+    assert "| tokens seen | 12,345 |" in card.text and "max abs difference 2e-06" in card.text
     recipe = yaml.safe_load(card.text.split("```yaml\n")[1].split("```")[0])
     assert recipe == {"model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "learning_rate": 1e-4,
                       "output_dir": "outputs/x"}

@@ -133,11 +133,13 @@ def build_model_card(facts: CardFacts) -> ModelCard:
         license=facts.license,
         tags=[*TAGS, *(["lora", "peft"] if is_adapter else []), *facts.extra_tags],
     )
-    data_rows = "\n".join(
-        f"| {s.name} | {s.revision or 'unpinned'} | {s.split or 'train'} | "
-        f"{'100%' if s.share is None and len(facts.data_sources) == 1 else _fmt(s.share, '.1%') if s.share is not None else 'n/a'} |"
-        for s in facts.data_sources
-    )
+    def share(source: DataSource) -> str:
+        if source.share is None:
+            return "100%" if len(facts.data_sources) == 1 else "n/a"
+        return _fmt(source.share, ".1%")
+
+    data_rows = "\n".join(f"| {s.name} | {s.revision or 'unpinned'} | {s.split or 'train'} | {share(s)} |"
+                          for s in facts.data_sources)
     tokens = f"{facts.tokens_seen:,}" if facts.tokens_seen else "n/a"
     body = f"""
 # {facts.hub_model_id or Path(facts.recipe_path).stem}

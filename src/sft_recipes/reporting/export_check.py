@@ -22,7 +22,8 @@ class ExportCheck:
 
     def describe(self) -> str:
         if self.status == "passed":
-            return f"passed: the reloaded export reproduces the trained model's logits (max |diff| {self.max_logit_diff:.3g})"
+            return ("passed: the reloaded export reproduces the trained model's logits "
+                    f"(max abs difference {self.max_logit_diff:.3g})")
         if self.status == "failed":
             return f"FAILED: {self.detail or 'the reloaded export does not reproduce the trained model'}"
         return "not run (verify_export: false)"

@@ -1,4 +1,4 @@
-"""Files of a run logged to its MLflow run as artifacts (rank 0 only; tracking set up by sft_recipes.reporting.tracking).
+"""Files of a run logged to its MLflow run as artifacts (rank 0 only; tracking set up in reporting/tracking.py).
 
 transformers' MLflowCallback ends the run at train end, before the export, the samples and the
 card exist; so files are logged by run id through `MlflowClient`, which needs no active run.

@@ -159,7 +159,8 @@ def samples_markdown(prompts: list[str], before: list[str] | None, after: list[s
     parts = ["# Sample generations (greedy, chat template)\n"]
     for index, prompt in enumerate(prompts):
         parts.append(f"## {index + 1}. Prompt\n\n{quoted(prompt)}\n")
-        parts.append(f"**Before training (base model)**\n\n{quoted(before[index]) if before else '> (not generated)'}\n")
+        base_answer = quoted(before[index]) if before else "> (not generated)"
+        parts.append(f"**Before training (base model)**\n\n{base_answer}\n")
         parts.append(f"**After training (reloaded export)**\n\n{quoted(after[index])}\n")
     return "\n".join(parts)
 
