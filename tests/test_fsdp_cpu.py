@@ -119,6 +119,24 @@ def test_mlflow_has_one_run_with_params_and_a_loss_per_step(runs):
     assert loss_steps == sorted(list(range(1, STEPS + 1)) + resumed_steps)
 
 
+def test_run_writes_curves_samples_and_card_and_logs_them_to_mlflow(runs):
+    from huggingface_hub import ModelCard
+    from mlflow import MlflowClient
+
+    full, resumed = runs["root"] / "full", runs["root"] / "two"
+    assert (full / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    card = ModelCard.load(full / "README.md")
+    assert card.data.base_model == "tiny:llama" and f"| optimizer steps | {STEPS} |" in card.text
+    samples = (full / "samples.md").read_text()
+    assert samples.count("**Before training (base model)**") == 3 and "(not generated)" not in samples
+    # The resumed run kept the base model's answers from its first start.
+    before = lambda text: [part.split("**After")[0] for part in text.split("**Before training (base model)**")[1:]]
+    assert before((resumed / "samples.md").read_text()) == before(samples)
+    client = MlflowClient(f"sqlite:///{runs['store']}")
+    logged = {a.path for a in client.list_artifacts(read_summary(full)["mlflow_run_id"])}
+    assert {"training_curves.png", "samples.md", "README.md", "data_report.json", "run_summary.json"} <= logged
+
+
 def test_hf_token_never_leaks(runs):
     leaks = [f"{run} {name}" for run in ("full", "resumed") for name in ("stdout", "stderr")
              if FAKE_TOKEN in getattr(runs[run], name)]

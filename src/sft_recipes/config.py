@@ -137,6 +137,13 @@ class TrainingArguments(SFTConfig):
         metadata={"help": "Module classes FSDP2 shards as one unit each. Default: the accelerate config's "
                   "fsdp_transformer_layer_cls_to_wrap when set, else the model's _no_split_modules (GptOssDecoderLayer)."},
     )
+    sample_prompts: list[str] | None = field(
+        default=None,
+        metadata={"help": "User turns answered greedily by the base model before training and by the reloaded export "
+                  "after it, side by side in output_dir/samples.md. Default: the first 3 user turns of the data; "
+                  "[] = no samples."},
+    )
+    sample_max_new_tokens: int = field(default=64, metadata={"help": "Longest sample answer, in tokens."})
 
 
 RECIPE_DATACLASSES = (DataArguments, ModelArguments, TrainingArguments)

@@ -59,7 +59,8 @@ def first_input_ids(dataset) -> list[int]:
 
 
 @torch.no_grad()
-def verify_export(trainer, output_dir: str | Path, probe_ids: list[int], atol: float | None = None) -> float:
+def verify_export(trainer, output_dir: str | Path, probe_ids: list[int], atol: float | None = None,
+                  on_reloaded: Callable[[torch.nn.Module], None] | None = None) -> float:
     """Reload `output_dir` on rank 0 and compare its logits with the trained (sharded) model's.
 
     Collective. Returns the max abs logit difference on every rank; raises on every rank (so no
@@ -69,7 +70,7 @@ def verify_export(trainer, output_dir: str | Path, probe_ids: list[int], atol: f
     def reload() -> torch.nn.Module:
         return model_class_for(AutoConfig.from_pretrained(output_dir)).from_pretrained(output_dir)
 
-    return _compare_with_reloaded(trainer, output_dir, probe_ids, reload, atol)
+    return _compare_with_reloaded(trainer, output_dir, probe_ids, reload, atol, on_reloaded)
 
 
 def export_adapter(trainer, output_dir: str | Path) -> Path:
@@ -111,7 +112,7 @@ def export_adapter(trainer, output_dir: str | Path) -> Path:
 @torch.no_grad()
 def verify_adapter_export(
     trainer, adapter_dir: str | Path, load_base: Callable[[], torch.nn.Module], probe_ids: list[int],
-    atol: float | None = None,
+    atol: float | None = None, on_reloaded: Callable[[torch.nn.Module], None] | None = None,
 ) -> float:
     """Load a fresh base (`load_base()`) plus the saved adapter on rank 0, compare logits with the trained model's.
 
@@ -119,11 +120,13 @@ def verify_adapter_export(
     """
     from sft_recipes.lora import load_adapter
 
-    return _compare_with_reloaded(trainer, adapter_dir, probe_ids, lambda: load_adapter(load_base(), adapter_dir), atol)
+    return _compare_with_reloaded(trainer, adapter_dir, probe_ids, lambda: load_adapter(load_base(), adapter_dir), atol,
+                                  on_reloaded)
 
 
 def _compare_with_reloaded(
-    trainer, output_dir: str | Path, probe_ids: list[int], reload: Callable[[], torch.nn.Module], atol: float | None
+    trainer, output_dir: str | Path, probe_ids: list[int], reload: Callable[[], torch.nn.Module], atol: float | None,
+    on_reloaded: Callable[[torch.nn.Module], None] | None = None,
 ) -> float:
     accelerator = trainer.accelerator
     model = trainer.model
@@ -140,6 +143,8 @@ def _compare_with_reloaded(
         tolerance = atol if atol is not None else (1e-4 if reloaded_dtype == torch.float32 else 5e-2)
         logits = reloaded(input_ids=input_ids.cpu()).logits.float()
         diff = (logits - trained_logits).abs().max().item()
+        if on_reloaded is not None and diff <= tolerance:  # e.g. sample generations: only from a checked export
+            on_reloaded(reloaded)
         outcome = [(diff, tolerance)]
     broadcast_object_list(outcome, from_process=0)
     diff, tolerance = outcome[0]
@@ -151,19 +156,20 @@ def _compare_with_reloaded(
     return diff
 
 
-def export_run(trainer, model_args, output_dir: str | Path, load_base: Callable[[], torch.nn.Module]
-               ) -> tuple[Path, float | None]:
+def export_run(trainer, model_args, output_dir: str | Path, load_base: Callable[[], torch.nn.Module],
+               on_reloaded: Callable[[torch.nn.Module], None] | None = None) -> tuple[Path, float | None]:
     """The run's final artefact -- a PEFT adapter or a consolidated checkpoint -- and, unless the recipe
     turned `verify_export` off, the max |logit difference| of its reload against the trained model.
 
     Collective. When a check fails, the files this export wrote are moved to
     `output_dir/export-FAILED-<reason>-<time>/` (nothing loadable is left where a result belongs) and
-    every rank raises ExportCheckError naming that folder.
+    every rank raises ExportCheckError naming that folder. `on_reloaded` is called on rank 0 with the
+    reloaded model once the check passed (the other ranks wait meanwhile).
     """
     output_dir = Path(output_dir)
     before = _file_stamps(output_dir) if trainer.accelerator.is_main_process else {}
     try:
-        return output_dir, _export_and_check(trainer, model_args, output_dir, load_base)
+        return output_dir, _export_and_check(trainer, model_args, output_dir, load_base, on_reloaded)
     except ExportCheckError as err:
         moved: list = [None]
         if trainer.accelerator.is_main_process:
@@ -173,7 +179,8 @@ def export_run(trainer, model_args, output_dir: str | Path, load_base: Callable[
                                "taken for a result; re-export from the last checkpoint.", err.reason) from None
 
 
-def _export_and_check(trainer, model_args, output_dir: Path, load_base: Callable[[], torch.nn.Module]) -> float | None:
+def _export_and_check(trainer, model_args, output_dir: Path, load_base: Callable[[], torch.nn.Module],
+                      on_reloaded: Callable[[torch.nn.Module], None] | None = None) -> float | None:
     if model_args.use_peft:
         export_adapter(trainer, output_dir)
     else:
@@ -182,8 +189,8 @@ def _export_and_check(trainer, model_args, output_dir: Path, load_base: Callable
         return None
     probe_ids = first_input_ids(trainer.training_data)[:64]
     if model_args.use_peft:
-        return verify_adapter_export(trainer, output_dir, load_base, probe_ids)
-    return verify_export(trainer, output_dir, probe_ids)
+        return verify_adapter_export(trainer, output_dir, load_base, probe_ids, on_reloaded=on_reloaded)
+    return verify_export(trainer, output_dir, probe_ids, on_reloaded=on_reloaded)
 
 
 def _file_stamps(directory: Path) -> dict[str, int]:

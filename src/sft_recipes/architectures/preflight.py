@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from sft_recipes.data.collator import pack_kwargs
 from sft_recipes.architectures.registry import PACKING_QUIRKS, prepare_for_packing
@@ -114,6 +114,10 @@ def shrink_config(config: PretrainedConfig) -> PretrainedConfig:
             text[key] = value if key != "sliding_window" else min(value, text[key])
     # Keep the real query/kv and value/key head ratios and the real head dims (rope depends on them).
     text["num_attention_heads"] = real.num_attention_heads // real.num_key_value_heads
+    heads = text["num_attention_heads"]
+    if text["hidden_size"] % heads and "validate_architecture" in vars(CONFIG_MAPPING[text["model_type"]]):
+        # e.g. LlamaConfig refuses a hidden size its heads do not divide (SmolLM2: 9:3 heads -> 3 here)
+        text["hidden_size"] = heads * -(-text["hidden_size"] // heads)
     if text.get("linear_num_value_heads") is not None:
         text["linear_num_value_heads"] = real.linear_num_value_heads // real.linear_num_key_heads
     if text.get("head_dim") is None:

@@ -27,6 +27,7 @@ RESUME_SAFE_KEYS = frozenset({
     "save_strategy", "save_steps", "save_total_limit", "logging_strategy", "logging_steps", "logging_first_step",
     "report_to", "run_name", "mlflow_experiment_name", "export_dtype", "verify_export", "ddp_timeout",
     "max_nonfinite_steps_in_a_row", "max_dropped_share", "dataloader_num_workers", "disable_tqdm",
+    "sample_prompts", "sample_max_new_tokens", "push_to_hub", "hub_model_id", "hub_private_repo",
 })
 
 

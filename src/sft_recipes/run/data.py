@@ -15,6 +15,7 @@ from sft_recipes.data.formats import CHAT_FORMATS
 from sft_recipes.data.report import DataReport
 from sft_recipes.data.sources import load_checked_dataset
 from sft_recipes.errors import RecipeError
+from sft_recipes.reporting.samples import sample_prompts_for_run
 from sft_recipes.run.setup import Run
 
 
@@ -24,6 +25,7 @@ class RunData:
     block_stream: RankLocalBlockStream | None  # this rank's packed blocks (`pack_blocks: true`)
     collator: Callable | None  # the one that goes with the blocks; None: TRL's own
     report: DataReport
+    sample_prompts: list[str]  # answered before and after training (samples.md); [] = none
 
 
 def build_data(run: Run, tokenizer) -> RunData:
@@ -31,6 +33,7 @@ def build_data(run: Run, tokenizer) -> RunData:
     and refuse to train when too many were dropped or nothing is left to learn."""
     data_args, training = run.recipe.data, run.recipe.training
     rows, report = load_checked_dataset(data_args)
+    sample_prompts = sample_prompts_for_run(training, rows, data_args.dataset_format)
     fmt, tokenization = run.data_format, run.tokenization
     train, block_stream, collator = None, None, None
     with global_then_local_main_first():  # prepared once per datasets cache (shared or node-local), not per rank
@@ -48,7 +51,8 @@ def build_data(run: Run, tokenizer) -> RunData:
     if run.is_main:
         print(report.format(), flush=True)
     report.enforce(data_args.max_dropped_share)
-    return RunData(train=train, block_stream=block_stream, collator=collator, report=report)
+    return RunData(train=train, block_stream=block_stream, collator=collator, report=report,
+                   sample_prompts=sample_prompts)
 
 
 def audit_data(run: Run, tokenizer, n: int) -> str:

@@ -14,6 +14,7 @@ from sft_recipes.fault.collective_timeout import bound_collective_waits
 from sft_recipes.fault.resume import protect_output_dir, resolve_resume_checkpoint
 from sft_recipes.lint import LintContext, lint_recipe
 from sft_recipes.loading import ModelSource
+from sft_recipes.reporting.hub import HubPush, take_over_hub_push
 
 logger = logging.getLogger("sft")
 
@@ -26,6 +27,7 @@ class Run:
     source: ModelSource  # the model's config, read once at its revision, and where its files are
     batch_derivation: str  # how gradient accumulation follows from the global batch, every factor shown
     resume_from: str | None  # the checkpoint this run continues, chosen (and checked) before anything loads
+    hub_push: HubPush | None = None  # `push_to_hub`: ours, after the export check (the Trainer's is switched off)
 
     @property
     def is_main(self) -> bool:
@@ -58,6 +60,7 @@ def start_run(recipe: Recipe) -> Run:
     source = ModelSource(recipe.model)
     lint_recipe(recipe, LintContext.from_environment(lambda: source.config))
     training = recipe.training
+    hub_push = take_over_hub_push(training)  # before the Trainer exists; a missing id or token refused now
     training.gradient_accumulation_steps, derivation = derive_gradient_accumulation(training, launched_world_size())
     enable_cpu_fsdp()  # before the Trainer creates its Accelerator: FSDP2 on CPU too
     bound_collective_waits(training)  # a dead or hung rank fails the others within ddp_timeout
@@ -65,7 +68,7 @@ def start_run(recipe: Recipe) -> Run:
     resume_from = resolve_resume_checkpoint(training)  # refuses a layout the checkpoint cannot continue on
     with training.main_process_first(local=False, desc="model files"):
         source.ensure_files()  # a tiny stand-in is built once, by the main process
-    run = Run(recipe=recipe, source=source, batch_derivation=derivation, resume_from=resume_from)
+    run = Run(recipe=recipe, source=source, batch_derivation=derivation, resume_from=resume_from, hub_push=hub_push)
     if run.is_main:
         logger.info("recipe %s -> output_dir %s; %s", recipe.source, training.output_dir, derivation)
     return run

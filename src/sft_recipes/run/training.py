@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sft_recipes.distributed import set_fsdp_reduce_dtype, verify_distributed
 from sft_recipes.fault import fault_tolerance_callbacks
 from sft_recipes.fault.resume import recipe_identity
 from sft_recipes.fault.world_size import log_world_size_change
 from sft_recipes.metrics import ThroughputMeter
+from sft_recipes.reporting.curves import TrainingCurvesCallback
+from sft_recipes.reporting.samples import BaseSamplesCallback, answers_in_lockstep, sample_settings, write_base_samples
 from sft_recipes.reporting.summary import RunSummaryCallback
 from sft_recipes.reporting.tracking import DataReportCallback, RecipeParamsCallback, configure_mlflow
 from sft_recipes.run.data import RunData
@@ -28,6 +30,7 @@ class Training:
     layout: str  # what really runs, e.g. "FSDP2 over 2 process(es) on cpu"
     resumed_from: str | None = None
     seconds: float = 0.0
+    sample_prompts: list[str] = field(default_factory=list)  # answered again by the export at the finish
 
     def run(self) -> None:
         """Train, from `resumed_from` when the run continues a checkpoint (chosen by `start_run`)."""
@@ -42,6 +45,12 @@ def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Traini
     recipe, training_args = run.recipe, run.recipe.training
     summary = RunSummaryCallback(configure_mlflow(training_args, recipe.model.mlflow_experiment_name))
     throughput = ThroughputMeter.for_run(run.source.config, built.lora_config, training_args.device)
+    reporting = [TrainingCurvesCallback()]  # training_curves.png at each save and at the end
+    if data.sample_prompts and answers_in_lockstep(training_args):
+        reporting.append(BaseSamplesCallback(data.sample_prompts, **sample_settings(recipe)))
+    elif data.sample_prompts and run.is_main:  # the model is still whole here: the Trainer shards it in train()
+        write_base_samples(training_args.output_dir, data.sample_prompts, built.model, tokenizer,
+                           **sample_settings(recipe))
     trainer = RecipeSFTTrainer(
         model=built.model,
         args=training_args,
@@ -52,10 +61,11 @@ def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Traini
         throughput=throughput,  # tokens/s per device, MFU, peak memory in every log
         adapter_checkpoints=built.lora_config is not None,  # checkpoints in PEFT format too
         callbacks=[RecipeParamsCallback(recipe.values), summary, DataReportCallback(data.report),
-                   *fault_tolerance_callbacks(training_args, recipe_identity(recipe))],
+                   *fault_tolerance_callbacks(training_args, recipe_identity(recipe)), *reporting],
     )
     layout = verify_distributed(trainer)
     set_fsdp_reduce_dtype(trainer, training_args.fsdp_reduce_dtype)
     if run.is_main:
         logger.info("distributed: %s; throughput: %s", layout, throughput.describe())
-    return Training(trainer=trainer, summary=summary, layout=layout, resumed_from=run.resume_from)
+    return Training(trainer=trainer, summary=summary, layout=layout, resumed_from=run.resume_from,
+                    sample_prompts=data.sample_prompts)

@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Chat with a run's export: a consolidated model, or base + PEFT adapter (read from OUTPUT_DIR).
+
+    python scripts/chat.py outputs/demo                                # interactive; empty line or Ctrl-D ends
+    python scripts/chat.py outputs/demo --prompt "What is 2 + 3?"      # answer once, exit 0
+    python scripts/chat.py outputs/lora --base_model path/to/base      # adapter onto another copy of its base
+
+Each turn goes through the tokenizer's chat template (the whole conversation so far); the answer
+streams token by token. Greedy unless --temperature > 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from transformers import TextStreamer
+
+from sft_recipes.reporting.load_export import load_export
+
+
+def answer(model, tokenizer, conversation: list[dict], max_new_tokens: int, temperature: float) -> str:
+    inputs = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    with torch.no_grad():
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, streamer=streamer,
+                                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling)
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("output_dir")
+    parser.add_argument("--prompt", help="answer this one message and exit")
+    parser.add_argument("--max_new_tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--base_model", help="for an adapter: load it onto this base instead of the one it names")
+    args = parser.parse_args(argv)
+    try:
+        model, tokenizer = load_export(args.output_dir, args.base_model)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.prompt is not None:
+        answer(model, tokenizer, [{"role": "user", "content": args.prompt}], args.max_new_tokens, args.temperature)
+        return 0
+    conversation: list[dict] = []
+    while True:
+        try:
+            message = input("\nyou> ").strip()
+        except EOFError:
+            break
+        if not message:
+            break
+        conversation.append({"role": "user", "content": message})
+        print("model> ", end="", flush=True)
+        conversation.append({"role": "assistant", "content": answer(model, tokenizer, conversation,
+                                                                    args.max_new_tokens, args.temperature)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

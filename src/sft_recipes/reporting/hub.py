@@ -1,0 +1,91 @@
+"""Publish the checked export and its card to the Hugging Face Hub (`push_to_hub: true`).
+
+The recipe's `push_to_hub` / `hub_model_id` / `hub_private_repo` are TRL's own SFTConfig fields;
+`take_over_hub_push` reads them and switches the Trainer's push off (it would create the repo at
+start and push unchecked weights at every save), so the only push is ours: after the export check
+passed, from rank 0, with the token from the environment, through `HfApi.upload_folder` unmodified.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from sft_recipes.errors import RecipeError
+from sft_recipes.reporting.card import CARD_FILE
+from sft_recipes.reporting.export_check import ExportCheck
+
+MISSING_ID = "push_to_hub: true needs hub_model_id (e.g. hub_model_id: my-org/my-model) in the recipe."
+
+
+@dataclass(frozen=True)
+class HubPush:
+    repo_id: str | None
+    private: bool
+
+
+def take_over_hub_push(training_args) -> HubPush | None:
+    """The push the recipe asks for (None: no push), with the Trainer's own push switched off.
+
+    Call before building the Trainer; it fails early (at start, not after training) when the id or
+    the token is missing (RecipeError).
+    """
+    if not training_args.push_to_hub:
+        return None
+    push = HubPush(training_args.hub_model_id,
+                   True if training_args.hub_private_repo is None else bool(training_args.hub_private_repo))
+    training_args.push_to_hub = False
+    if not push.repo_id:
+        raise RecipeError(MISSING_ID)
+    try:
+        hub_token()
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+    return push
+
+
+def hub_token() -> str:
+    """The token from the environment only: HF_TOKEN, or the file HF_TOKEN_PATH names (never a recipe, never a
+    stored login)."""
+    token = os.environ.get("HF_TOKEN")
+    if not token and os.environ.get("HF_TOKEN_PATH") and Path(os.environ["HF_TOKEN_PATH"]).is_file():
+        token = Path(os.environ["HF_TOKEN_PATH"]).read_text().strip()
+    if not token:
+        raise ValueError("push_to_hub: true needs a Hugging Face token with write access in the HF_TOKEN environment "
+                         "variable (or a file named by HF_TOKEN_PATH); it is never read from the recipe.")
+    return token
+
+
+def files_to_upload(output_dir: str | Path) -> list[str]:
+    """The export (weights, configs, tokenizer, or the PEFT adapter), the card and the run's picture/samples:
+    every top-level file of output_dir; checkpoints and set-aside folders stay home."""
+    output_dir = Path(output_dir)
+    if not (output_dir / CARD_FILE).is_file():
+        raise FileNotFoundError(f"{output_dir / CARD_FILE} is missing: write the model card before pushing.")
+    return sorted(path.name for path in output_dir.iterdir() if path.is_file())
+
+
+def push_export(push: HubPush, output_dir: str | Path, export_check: ExportCheck, api=None):
+    """Create the (private by default) repo and upload the export folder; rank 0 only.
+
+    Refuses unless the export check passed. `api` defaults to `huggingface_hub.HfApi()`.
+    Returns what `upload_folder` returns (the commit info).
+    """
+    if export_check.status != "passed":
+        raise RuntimeError(
+            f"Not pushing {output_dir} to {push.repo_id}: the export check {export_check.describe()}. "
+            + ("Set verify_export: true so the export is checked before it is published."
+               if export_check.status == "skipped" else "Fix the export (re-export from the last checkpoint) first.")
+        )
+    if not push.repo_id:
+        raise ValueError(MISSING_ID)
+    token = hub_token()
+    files = files_to_upload(output_dir)
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+    api.create_repo(push.repo_id, private=push.private, exist_ok=True, token=token)
+    return api.upload_folder(repo_id=push.repo_id, folder_path=str(output_dir), allow_patterns=files, token=token,
+                             commit_message="Upload fine-tuned model (sft-recipes)")

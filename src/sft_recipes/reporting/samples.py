@@ -1,0 +1,225 @@
+"""Sample generations before and after training, side by side in `output_dir/samples.md`.
+
+Greedy, at most `max_new_tokens`, each prompt a single user turn rendered with the tokenizer's chat
+template. How it stays cheap and hang-free under FSDP2:
+
+- before training on accelerators (`BaseSamplesCallback`, at `on_train_begin` of a fresh run): every rank runs the
+  same greedy loop on its FSDP-wrapped model in lockstep, all prompts in one batch (one forward call
+  per new token). Each forward all-gathers one layer at a time, as in training (no rank ever holds
+  the whole model); rank 0's next tokens are broadcast each step, so every rank feeds the same
+  tokens and stops on the same step: the number of forward calls (hence of collectives) is equal on
+  all ranks by construction.
+- before training on CPU (`write_base_samples`, rank 0, right after loading, before the Trainer
+  shards the model): each forward of the lockstep path all-gathers every weight over gloo, which
+  costs seconds per token on CPU; before sharding, every rank already holds the whole base model
+  (it is loaded whole, then sharded), so rank 0 answers alone while the others wait at the Trainer's
+  first collective.
+- after training (`write_samples`, in the run's finish step, rank 0 only, after the export check):
+  the reloaded export generates alone, outside any collective; the other ranks go on to the next
+  collective of the finish step and wait there (bounded by `ddp_timeout`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+SAMPLES_FILE = "samples.md"
+BEFORE_FILE = "samples_before.json"  # the base model's answers, kept for the end of a resumed run
+DEFAULT_MAX_NEW_TOKENS = 64
+DEFAULT_PROMPT_COUNT = 3
+
+
+def user_turn(row: dict[str, Any], dataset_format: str) -> str | None:
+    """The first user turn of a raw row (alpaca: instruction, then its input), None when it has none."""
+    if dataset_format == "alpaca":
+        return row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+    if dataset_format == "text":
+        return None
+    return next((m["content"] for m in row.get("messages") or [] if m.get("role") == "user" and m.get("content")), None)
+
+
+def default_sample_prompts(eval_rows: Iterable[dict] | None, train_rows: Iterable[dict], dataset_format: str,
+                           count: int = DEFAULT_PROMPT_COUNT) -> list[str]:
+    """The first `count` user turns of the held-out eval rows when there are any, else of the training rows."""
+    for rows in (eval_rows, train_rows):
+        prompts = []
+        for row in rows or []:
+            turn = user_turn(row, dataset_format)
+            if turn:
+                prompts.append(turn)
+            if len(prompts) == count:
+                break
+        if prompts:
+            return prompts
+    return []
+
+
+def sample_settings(recipe) -> dict[str, Any]:
+    """How a run generates its samples: `max_new_tokens` and the chat template's extra variables."""
+    return {"max_new_tokens": recipe.training.sample_max_new_tokens,
+            "chat_template_kwargs": recipe.data.chat_template_kwargs}
+
+
+def answers_in_lockstep(training_args) -> bool:
+    """Accelerator runs answer on the sharded model in lockstep; CPU runs on rank 0 before sharding (over gloo,
+    gathering every weight for each new token costs seconds)."""
+    return training_args.device.type != "cpu"
+
+
+def sample_prompts_for_run(training_args, train_rows: Iterable[dict], dataset_format: str,
+                           eval_rows: Iterable[dict] | None = None) -> list[str]:
+    """The recipe's `sample_prompts`, else the defaults from the data ([] turns samples off)."""
+    if training_args.sample_prompts is not None:
+        return list(training_args.sample_prompts)
+    return default_sample_prompts(eval_rows, train_rows, dataset_format)
+
+
+def chat_prompt_ids(tokenizer, prompt: str, chat_template_kwargs: dict | None = None) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True,
+                                              **(chat_template_kwargs or {}))["input_ids"])
+
+
+def stop_token_ids(model, tokenizer) -> set[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+@torch.no_grad()
+def greedy_generate(model, prompts_ids: list[list[int]], max_new_tokens: int, stop_ids: set[int], pad_id: int,
+                    in_lockstep: bool = False) -> list[list[int]]:
+    """Greedy continuations of all prompts at once (left-padded batch, KV cache): one forward call per new token.
+
+    Returns each prompt's new token ids, its stop token included when reached. `in_lockstep`: every rank of
+    the default process group calls this with the same prompts; rank 0's tokens are broadcast each step, so
+    all ranks make the same number of forward calls (under FSDP2, each gathers the layers once per token).
+    """
+    device = next(model.parameters()).device
+    longest = max(len(ids) for ids in prompts_ids)
+    input_ids = torch.tensor([[pad_id] * (longest - len(ids)) + ids for ids in prompts_ids], device=device)
+    attention_mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in prompts_ids], device=device)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    generated: list[list[int]] = [[] for _ in prompts_ids]
+    done = torch.zeros(len(prompts_ids), dtype=torch.bool, device=device)
+    stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+    was_training = model.training
+    model.eval()
+    past = None
+    try:
+        for _ in range(max_new_tokens):
+            output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           past_key_values=past, use_cache=True)
+            past = output.past_key_values
+            next_tokens = output.logits[:, -1, :].argmax(dim=-1)
+            if in_lockstep:
+                dist.broadcast(next_tokens, src=0)
+            for row, token in enumerate(next_tokens.tolist()):
+                if not done[row]:
+                    generated[row].append(token)
+            done |= torch.isin(next_tokens, stops)
+            if bool(done.all()):
+                break
+            input_ids = next_tokens.unsqueeze(-1)
+            attention_mask = torch.cat([attention_mask, torch.ones_like(input_ids)], dim=-1)
+            position_ids = position_ids[:, -1:] + 1
+    finally:
+        model.train(was_training)
+    return generated
+
+
+def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                     in_lockstep: bool = False, chat_template_kwargs: dict | None = None) -> list[str]:
+    if not prompts:
+        return []
+    prompts_ids = [chat_prompt_ids(tokenizer, prompt, chat_template_kwargs) for prompt in prompts]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    generated = greedy_generate(model, prompts_ids, max_new_tokens, stop_token_ids(model, tokenizer), pad_id,
+                                in_lockstep)
+    return [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in generated]
+
+
+def samples_markdown(prompts: list[str], before: list[str] | None, after: list[str]) -> str:
+    def quoted(text: str) -> str:
+        return "\n".join(f"> {line}" for line in (text or "(empty)").splitlines()) or "> (empty)"
+
+    parts = ["# Sample generations (greedy, chat template)\n"]
+    for index, prompt in enumerate(prompts):
+        parts.append(f"## {index + 1}. Prompt\n\n{quoted(prompt)}\n")
+        base_answer = quoted(before[index]) if before else "> (not generated)"
+        parts.append(f"**Before training (base model)**\n\n{base_answer}\n")
+        parts.append(f"**After training (reloaded export)**\n\n{quoted(after[index])}\n")
+    return "\n".join(parts)
+
+
+def timed_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, in_lockstep: bool = False,
+                  chat_template_kwargs: dict | None = None) -> list[str]:
+    started = time.perf_counter()
+    answers = generate_answers(model, tokenizer, prompts, max_new_tokens, in_lockstep, chat_template_kwargs)
+    logger.info("base model answered %d sample prompt(s) in %.1fs", len(answers), time.perf_counter() - started)
+    return answers
+
+
+def save_base_answers(output_dir: str | Path, prompts: list[str], answers: list[str]) -> None:
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(output_dir) / BEFORE_FILE).write_text(json.dumps({"prompts": prompts, "answers": answers}, indent=2))
+
+
+def write_base_samples(output_dir: str | Path, prompts: list[str], model, tokenizer,
+                       max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, chat_template_kwargs: dict | None = None) -> None:
+    """Rank 0, on the loaded base model before any sharding; kept when a resumed run finds it already written."""
+    if (Path(output_dir) / BEFORE_FILE).is_file() or not prompts:
+        return
+    save_base_answers(output_dir, prompts, timed_answers(model, tokenizer, prompts, max_new_tokens,
+                                                         chat_template_kwargs=chat_template_kwargs))
+
+
+class BaseSamplesCallback(TrainerCallback):
+    """The base model's answers, generated at the start of a fresh run on every rank in lockstep (accelerators).
+
+    Rank 0 writes them to `output_dir/samples_before.json`; a resumed run keeps that file (its model is
+    no longer the base).
+    """
+
+    def __init__(self, prompts: list[str], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                 chat_template_kwargs: dict | None = None) -> None:
+        self.prompts = prompts
+        self.max_new_tokens = max_new_tokens
+        self.chat_template_kwargs = chat_template_kwargs
+
+    def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+        if state.global_step > 0 or not self.prompts:
+            return
+        answers = timed_answers(model, processing_class, self.prompts, self.max_new_tokens,
+                                in_lockstep=dist.is_initialized() and dist.get_world_size() > 1,
+                                chat_template_kwargs=self.chat_template_kwargs)
+        if state.is_world_process_zero:
+            save_base_answers(args.output_dir, self.prompts, answers)
+
+
+def write_samples(output_dir: str | Path, prompts: list[str], model, tokenizer,
+                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, chat_template_kwargs: dict | None = None) -> Path:
+    """Rank 0, after the export check: the reloaded export's answers beside the base's, into samples.md."""
+    output_dir = Path(output_dir)
+    after = generate_answers(model, tokenizer, prompts, max_new_tokens, chat_template_kwargs=chat_template_kwargs)
+    before_file = output_dir / BEFORE_FILE
+    before = None
+    if before_file.is_file():
+        saved = json.loads(before_file.read_text())
+        before = saved["answers"] if saved["prompts"] == prompts else None
+    path = output_dir / SAMPLES_FILE
+    path.write_text(samples_markdown(prompts, before, after))
+    return path

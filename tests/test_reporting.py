@@ -1,0 +1,223 @@
+"""End-of-run reporting: curves picture, MLflow artifacts, model card, Hub push (up to the upload call)."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import yaml
+from huggingface_hub import ModelCard
+
+from sft_recipes.reporting.card import CardFacts, base_license, data_sources_from, last_logged, write_model_card
+from sft_recipes.reporting.curves import CURVES_FILE, TrainingCurvesCallback, series, write_training_curves
+from sft_recipes.reporting.export_check import ExportCheck
+from sft_recipes.reporting.hub import HubPush, files_to_upload, push_export, take_over_hub_push
+from sft_recipes.reporting.mlflow_artifacts import log_output_dir_artifacts
+
+LOG_HISTORY = [
+    {"step": 1, "loss": 2.5, "learning_rate": 1e-3, "tokens_per_second_per_device": 900.0},
+    {"step": 2, "loss": 2.25, "learning_rate": 1e-3, "tokens_per_second_per_device": 1100.0},
+    {"step": 2, "eval_loss": 2.4},
+    {"step": 3, "loss": 2.0, "learning_rate": 5e-4, "tokens_per_second_per_device": 1000.0},
+    {"step": 3, "train_runtime": 4.2},
+]
+
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+# ── Curves ────────────────────────────────────────────────────────────────────────────────────
+
+
+def test_series_reads_each_quantity_against_its_step():
+    assert series(LOG_HISTORY, "loss") == ([1, 2, 3], [2.5, 2.25, 2.0])
+    assert series(LOG_HISTORY, "eval_loss") == ([2], [2.4])
+    assert series(LOG_HISTORY, "tokens_per_second_per_device") == ([1, 2, 3], [900.0, 1100.0, 1000.0])
+    assert series(LOG_HISTORY, "grad_norm") == ([], [])
+
+
+def test_curves_picture_is_a_png_of_three_panels(tmp_path):
+    path = write_training_curves(LOG_HISTORY, tmp_path / "sub" / CURVES_FILE)
+    assert png_size(path) == (800, 900)  # figsize 8 x 9 inches at 100 dpi
+
+
+class State:
+    def __init__(self, is_main: bool):
+        self.is_world_process_zero = is_main
+        self.log_history = LOG_HISTORY
+
+
+class Args:
+    def __init__(self, output_dir, report_to=()):
+        self.output_dir = str(output_dir)
+        self.report_to = list(report_to)
+
+
+def test_curves_callback_draws_on_rank_0_only(tmp_path):
+    callback = TrainingCurvesCallback()
+    callback.on_save(Args(tmp_path / "rank1"), State(is_main=False), None)
+    assert not (tmp_path / "rank1").exists()
+    callback.on_train_end(Args(tmp_path / "rank0"), State(is_main=True), None)
+    assert png_size(tmp_path / "rank0" / CURVES_FILE) == (800, 900)
+
+
+def test_end_of_run_files_are_logged_to_the_mlflow_run(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlruns.db'}")
+    client = MlflowClient()
+    run_id = client.create_run(client.create_experiment("reporting", artifact_location=str(tmp_path / "art"))).info.run_id
+    out = tmp_path / "out"
+    write_training_curves(LOG_HISTORY, out / CURVES_FILE)
+    (out / "run_summary.json").write_text("{}")
+    (out / "data_report.json").write_text("{}")
+    logged = log_output_dir_artifacts(run_id, out)
+    assert [p.name for p in logged] == [CURVES_FILE, "data_report.json", "run_summary.json"]  # no plan.json there
+    assert sorted(a.path for a in client.list_artifacts(run_id)) == sorted(p.name for p in logged)
+    assert log_output_dir_artifacts(None, out) == []
+
+
+# ── Model card ────────────────────────────────────────────────────────────────────────────────
+
+
+def card_facts(**changes) -> CardFacts:
+    values = {"model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "learning_rate": 1e-4,
+              "output_dir": "outputs/x"}
+    facts = dict(
+        base_model="HuggingFaceTB/SmolLM2-135M-Instruct", base_revision="abc123",
+        data_sources=data_sources_from([{"name": "tatsu-lab/alpaca", "revision": "r1", "weight": 3},
+                                        {"name": "data/samples/ultrachat.jsonl", "weight": 1}]),
+        recipe_values=values, recipe_path="recipes/smollm2-135m.yaml", export_kind="full",
+        export_check=ExportCheck.from_logit_diff(2e-6), hardware="2 x CPU (gloo)", world_size=2, steps=8,
+        tokens_seen=12345, final_train_loss=last_logged(LOG_HISTORY, "loss"),
+        final_eval_loss=last_logged(LOG_HISTORY, "eval_loss"), license="apache-2.0",
+    )
+    facts.update(changes)
+    return CardFacts(**facts)
+
+
+def test_card_parses_back_and_names_the_base_model(tmp_path):
+    path = write_model_card(card_facts(), tmp_path)
+    card = ModelCard.load(path)
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert card.data.datasets == ["tatsu-lab/alpaca"]  # the local file is in the body, not in the Hub metadata
+    assert card.data.library_name == "transformers" and card.data.license == "apache-2.0"
+    assert "| tatsu-lab/alpaca | r1 | train | 75.0% |" in card.text
+    assert "| data/samples/ultrachat.jsonl | unpinned | train | 25.0% |" in card.text
+    assert "| final train loss | 2.0000 |" in card.text and "| final eval loss | 2.4000 |" in card.text
+    assert "| tokens seen | 12,345 |" in card.text and "max abs difference 2e-06" in card.text
+    recipe = yaml.safe_load(card.text.split("```yaml\n")[1].split("```")[0])
+    assert recipe == {"model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "learning_rate": 1e-4,
+                      "output_dir": "outputs/x"}
+
+
+def test_adapter_card_says_how_to_load_base_plus_adapter(tmp_path):
+    card = ModelCard.load(write_model_card(card_facts(export_kind="adapter", hub_model_id="me/x"), tmp_path))
+    assert card.data.library_name == "peft" and "lora" in card.data.tags
+    assert "PeftModel.from_pretrained(base, 'me/x')" in card.text
+    assert "from_pretrained('HuggingFaceTB/SmolLM2-135M-Instruct', revision='abc123')" in card.text
+
+
+def test_card_never_shows_a_secret(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value_123")
+    facts = card_facts(recipe_values={"dataset_name": "https://user:hf_secret_value_123@host/data"})
+    text = write_model_card(facts, tmp_path).read_text()
+    assert "hf_secret_value_123" not in text and "dataset_name: <redacted>" in text
+
+
+def test_single_source_share_and_base_licence_from_its_card(tmp_path):
+    (tmp_path / "README.md").write_text("---\nlicense: llama3.1\n---\n# base\n")
+    assert base_license(tmp_path) == "llama3.1"
+    (tmp_path / "README.md").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert base_license(tmp_path) is None
+    sources = data_sources_from([{"dataset_name": "tatsu-lab/alpaca"}])
+    assert "| tatsu-lab/alpaca | unpinned | train | 100% |" in write_model_card(
+        card_facts(data_sources=sources), tmp_path).read_text()
+    with pytest.raises(ValueError, match="names no dataset"):
+        data_sources_from([{"weight": 1}])
+
+
+# ── Hub push (everything up to the upload call) ───────────────────────────────────────────────
+
+
+class RecordingApi:
+    def __init__(self):
+        self.calls = []
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+
+    def upload_folder(self, **kwargs):
+        self.calls.append(("upload_folder", kwargs))
+        return "commit-info"
+
+
+@pytest.fixture
+def export_dir(tmp_path):
+    out = tmp_path / "out"
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "run_summary.json", CURVES_FILE):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("x")
+    (out / "checkpoint-4").mkdir()
+    (out / "checkpoint-4" / "model.safetensors").write_text("x")
+    write_model_card(card_facts(), out)
+    return out
+
+
+def test_push_uploads_exactly_the_export_files_privately(export_dir, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_abc")
+    api = RecordingApi()
+    assert push_export(HubPush("me/model", private=True), export_dir, ExportCheck("passed", 0.0), api=api) == "commit-info"
+    (_, repo, create_kwargs), (_, upload_kwargs) = api.calls
+    assert repo == "me/model" and create_kwargs == {"private": True, "exist_ok": True, "token": "hf_abc"}
+    assert upload_kwargs["folder_path"] == str(export_dir) and upload_kwargs["token"] == "hf_abc"
+    assert upload_kwargs["allow_patterns"] == [
+        "README.md", "config.json", "generation_config.json", "model.safetensors", "run_summary.json",
+        "tokenizer.json", "tokenizer_config.json", CURVES_FILE]  # checkpoint-4/ stays home
+    assert files_to_upload(export_dir) == upload_kwargs["allow_patterns"]
+
+
+@pytest.mark.parametrize("check, reason", [(ExportCheck("failed", 3.0, "max |logit diff| 3 > 1e-4"), "Fix the export"),
+                                           (ExportCheck("skipped"), "Set verify_export: true")])
+def test_no_push_without_a_passed_export_check(export_dir, monkeypatch, check, reason):
+    monkeypatch.setenv("HF_TOKEN", "hf_abc")
+    api = RecordingApi()
+    with pytest.raises(RuntimeError, match=f"Not pushing .* to me/model: the export check .*{reason}"):
+        push_export(HubPush("me/model", private=True), export_dir, check, api=api)
+    assert api.calls == []
+
+
+class HubArgs:
+    def __init__(self, push_to_hub=True, hub_model_id="me/model", hub_private_repo=None):
+        self.push_to_hub, self.hub_model_id, self.hub_private_repo = push_to_hub, hub_model_id, hub_private_repo
+
+
+def test_take_over_switches_the_trainer_push_off_and_defaults_to_private(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_abc")
+    args = HubArgs()
+    assert take_over_hub_push(args) == HubPush("me/model", private=True) and args.push_to_hub is False
+    assert take_over_hub_push(HubArgs(hub_private_repo=False)) == HubPush("me/model", private=False)
+    assert take_over_hub_push(HubArgs(push_to_hub=False)) is None
+
+
+def test_missing_token_or_id_is_named(monkeypatch, tmp_path, export_dir):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_TOKEN_PATH", raising=False)
+    with pytest.raises(ValueError, match="needs a Hugging Face token with write access in the HF_TOKEN"):
+        take_over_hub_push(HubArgs())
+    with pytest.raises(ValueError, match="needs a Hugging Face token"):
+        push_export(HubPush("me/model", True), export_dir, ExportCheck("passed", 0.0), api=RecordingApi())
+    token_file = tmp_path / "token"
+    token_file.write_text("hf_from_file\n")
+    monkeypatch.setenv("HF_TOKEN_PATH", str(token_file))
+    with pytest.raises(ValueError, match="push_to_hub: true needs hub_model_id"):
+        take_over_hub_push(HubArgs(hub_model_id=None))
+    api = RecordingApi()
+    push_export(HubPush("me/model", True), export_dir, ExportCheck("passed", 0.0), api=api)
+    assert api.calls[1][1]["token"] == "hf_from_file"

@@ -1,0 +1,193 @@
+"""Sample generations (single process and 2-process FSDP2 lockstep) and scripts/chat.py on tiny and real exports."""
+
+from __future__ import annotations
+
+import builtins
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import REPO_ROOT, free_port
+from sft_recipes.reporting.load_export import export_kind, load_export
+from sft_recipes.reporting.samples import (
+    BEFORE_FILE, BaseSamplesCallback, chat_prompt_ids, default_sample_prompts, generate_answers, greedy_generate,
+    samples_markdown, stop_token_ids, write_samples,
+)
+from sft_recipes.tiny import ensure_tiny
+
+PROMPTS = ["What is 2 + 3?", "Name a colour."]
+MAX_NEW = 8
+
+
+def load_chat_script():
+    spec = importlib.util.spec_from_file_location("chat_script", REPO_ROOT / "scripts" / "chat.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    path = ensure_tiny("llama")
+    return path, AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+# ── Prompts and the markdown ──────────────────────────────────────────────────────────────────
+
+
+def test_default_prompts_prefer_held_out_rows_and_read_user_turns():
+    train = [{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "train q"}]}]
+    held_out = [{"messages": [{"role": "user", "content": f"eval q{i}"}]} for i in range(5)]
+    assert default_sample_prompts(held_out, train, "messages") == ["eval q0", "eval q1", "eval q2"]
+    assert default_sample_prompts(None, train, "messages") == ["train q"]
+    alpaca = [{"instruction": "Add.", "input": "2, 3", "output": "5"}, {"instruction": "Hi.", "output": "Hello"}]
+    assert default_sample_prompts([], alpaca, "alpaca", count=2) == ["Add.\n\n2, 3", "Hi."]
+    assert default_sample_prompts(None, [{"text": "plain"}], "text") == []
+
+
+def test_markdown_puts_before_and_after_side_by_side():
+    text = samples_markdown(["Q1"], ["old\nanswer"], ["new"])
+    assert text == ("# Sample generations (greedy, chat template)\n\n## 1. Prompt\n\n> Q1\n\n"
+                    "**Before training (base model)**\n\n> old\n> answer\n\n**After training (reloaded export)**\n\n> new\n")
+
+
+# ── Greedy generation ─────────────────────────────────────────────────────────────────────────
+
+
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def test_greedy_loop_equals_transformers_generate(tiny_llama):
+    _, model, tokenizer = tiny_llama
+    prompt_ids = chat_prompt_ids(tokenizer, PROMPTS[0])
+    assert prompt_ids == tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}],
+                                                       add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    [ours] = greedy_generate(model, [prompt_ids], MAX_NEW, stop_token_ids(model, tokenizer), pad_id(tokenizer))
+    reference = model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                               pad_token_id=pad_id(tokenizer))[0, len(prompt_ids):]
+    assert ours == reference.tolist() and len(ours) >= 1
+    assert model.training is False
+
+
+def test_prompts_batched_with_left_padding_answer_as_alone(tiny_llama):
+    _, model, tokenizer = tiny_llama
+    prompts_ids = [chat_prompt_ids(tokenizer, "Hi"), chat_prompt_ids(tokenizer, "Tell me a much longer story now.")]
+    assert len(prompts_ids[0]) < len(prompts_ids[1])
+    stops = stop_token_ids(model, tokenizer)
+    alone = [greedy_generate(model, [ids], MAX_NEW, stops, pad_id(tokenizer))[0] for ids in prompts_ids]
+    assert greedy_generate(model, prompts_ids, MAX_NEW, stops, pad_id(tokenizer)) == alone
+
+
+def test_greedy_stops_at_a_stop_token(tiny_llama):
+    _, model, tokenizer = tiny_llama
+    prompt_ids = chat_prompt_ids(tokenizer, PROMPTS[0])
+    first = greedy_generate(model, [prompt_ids], 1, set(), pad_id(tokenizer))[0][0]
+    assert greedy_generate(model, [prompt_ids], MAX_NEW, {first}, pad_id(tokenizer)) == [[first]]
+
+
+class State:
+    def __init__(self, global_step):
+        self.global_step, self.is_world_process_zero = global_step, True
+
+
+class Args:
+    def __init__(self, output_dir):
+        self.output_dir = str(output_dir)
+
+
+def test_samples_before_and_after_end_in_samples_md(tiny_llama, tmp_path):
+    _, model, tokenizer = tiny_llama
+    callback = BaseSamplesCallback(PROMPTS, MAX_NEW)
+    callback.on_train_begin(Args(tmp_path), State(global_step=3), None, model=model, processing_class=tokenizer)
+    assert not (tmp_path / BEFORE_FILE).exists()  # a resumed run's model is no longer the base
+    callback.on_train_begin(Args(tmp_path), State(global_step=0), None, model=model, processing_class=tokenizer)
+    before = json.loads((tmp_path / BEFORE_FILE).read_text())
+    expected = generate_answers(model, tokenizer, PROMPTS, MAX_NEW)
+    assert before == {"prompts": PROMPTS, "answers": expected}
+    text = write_samples(tmp_path, PROMPTS, model, tokenizer, MAX_NEW).read_text()
+    assert text == samples_markdown(PROMPTS, expected, expected)
+
+
+def _lockstep_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    forward_calls = []
+    model.register_forward_hook(lambda *_: forward_calls.append(1))
+    answers = generate_answers(model, tokenizer, PROMPTS, MAX_NEW, in_lockstep=True)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"answers": answers, "forward_calls": len(forward_calls)}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.fsdp
+def test_lockstep_generation_under_fsdp2_matches_one_process(tiny_llama, tmp_path):
+    path, model, tokenizer = tiny_llama
+    mp.spawn(_lockstep_worker, args=(free_port(), path, str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]  # same answers, same number of forward calls: no rank waits alone
+    assert ranks[0]["answers"] == generate_answers(model, tokenizer, PROMPTS, MAX_NEW)
+
+
+# ── Chat with the export ──────────────────────────────────────────────────────────────────────
+
+
+@pytest.fixture(scope="module")
+def lora_export(tiny_llama, tmp_path_factory):
+    """A tiny Llama LoRA export as the run writes it: adapter_model.safetensors + adapter_config.json + tokenizer."""
+    path, _, tokenizer = tiny_llama
+    out = tmp_path_factory.mktemp("lora_export")
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(path),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))  # as if trained
+    peft_model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_chat_answers_once_from_a_full_export(tiny_llama, capsys):
+    path, model, tokenizer = tiny_llama
+    assert export_kind(path) == "full"
+    assert load_chat_script().main([path, "--prompt", PROMPTS[0], "--max_new_tokens", str(MAX_NEW)]) == 0
+    assert capsys.readouterr().out.strip() == generate_answers(model, tokenizer, PROMPTS[:1], MAX_NEW)[0]
+
+
+def test_chat_answers_once_from_base_plus_adapter(tiny_llama, lora_export, capsys):
+    _, base, tokenizer = tiny_llama
+    assert export_kind(lora_export) == "adapter"
+    model, _ = load_export(lora_export)
+    expected = generate_answers(model, tokenizer, PROMPTS[:1], MAX_NEW)[0]
+    assert expected != generate_answers(base, tokenizer, PROMPTS[:1], MAX_NEW)[0]  # the adapter is applied
+    assert load_chat_script().main([str(lora_export), "--prompt", PROMPTS[0], "--max_new_tokens", str(MAX_NEW)]) == 0
+    assert capsys.readouterr().out.strip() == expected
+
+
+def test_interactive_chat_keeps_the_conversation(tiny_llama, monkeypatch, capsys):
+    path, model, tokenizer = tiny_llama
+    typed = iter(["hello", "and again", ""])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(typed))
+    assert load_chat_script().main([path, "--max_new_tokens", "4"]) == 0
+    assert capsys.readouterr().out.count("model> ") == 2
+
+
+def test_chat_refuses_a_folder_without_an_export(tmp_path, capsys):
+    assert load_chat_script().main([str(tmp_path), "--prompt", "hi"]) == 2
+    assert "holds no exported model (no config.json, no adapter_config.json)" in capsys.readouterr().err
