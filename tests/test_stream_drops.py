@@ -72,6 +72,19 @@ def test_every_reader_of_every_rank_counts_bad_rows_and_masking_drops(tmp_path):
     assert total.supervised_tokens > 0 and report.streamed and report.rows == 0
 
 
+def test_a_bad_row_is_counted_with_the_block_read_after_it(tmp_path):
+    """The running share is honest only if bad rows are counted where they are read, not a batch ahead."""
+    tokenizer = build_tokenizer("qwen3_5")
+    length = len(tokenizer.apply_chat_template(json.loads(chat(0))["messages"], tokenize=True)["input_ids"])
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join([chat(0), "{not json", chat(1), NO_REPLY, "{not json", chat(2)]) + "\n")
+    rows, _ = load_checked_dataset(streamed_args(path), mark_bad_rows=True)
+    stream = iter(RankLocalBlockStream(rows, tokenizer, max_length=length, rank=0, world_size=1))
+    carried = [next(stream)["stream_stats"] for _ in range(3)]  # one conversation fills a block exactly
+    assert [(stats.conversations, stats.dropped) for stats in carried] == [
+        (1, {}), (2, {"invalid_json": 1}), (3, {"no_assistant_turn": 1, "invalid_json": 1})]
+
+
 def test_the_packed_share_is_the_map_share_of_the_same_rows():
     """300 rows, 30 bad up front, 81 of the other 270 dropped by the masking: 37% either way."""
     mapped = DataReport("x", rows=300)
@@ -125,7 +138,7 @@ def test_too_many_bad_streamed_rows_refuse_on_every_rank_without_a_hang(tmp_path
     data = write_stream(tmp_path / "bad.jsonl", lines)
     result = launch_sft(QWEN_TWIN, "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"),
                         "--report_to", "none", "--max_length", "1024", check=False)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    errors = re.findall(r"error: .*", result.stderr)  # (after a progress bar on the same line)
     assert result.returncode != 0 and len(errors) == 1, result.stderr[-4000:]
     assert re.match(r"error: Refusing to go on: (3[5-9]|4[0-5])\.\d\d% of the rows are dropped, more than "
                     r"max_dropped_share=0\.05", errors[0]), errors[0]

@@ -206,15 +206,16 @@ class RankLocalBlockStream(TorchIterableDataset):
     def _tokenized(self, pending: StreamStats) -> Iterator[dict[str, list[int]]]:
         # `.iter()` (unlike `__iter__`) does not split the shard again among dataloader workers.
         for batch in self.reader_shard().iter(batch_size=TOKENIZE_BATCH):
-            conversations = batch[self.messages_field]
-            problems = batch.get(ROW_PROBLEM) or [None] * len(conversations)  # flagged while reading
-            for problem in filter(None, problems):
-                pending.drop(problem)
-            conversations = [conversation for conversation, problem in zip(conversations, problems) if not problem]
-            if not conversations:
-                continue
-            columns = tokenize_conversations(self.tokenizer, conversations, None, **self.template_kwargs)
-            for ids, mask, reason in zip(columns["input_ids"], columns["assistant_masks"], columns["drop_reason"]):
+            problems = batch.get(ROW_PROBLEM) or [None] * len(batch[self.messages_field])  # flagged while reading
+            good = [conversation for conversation, problem in zip(batch[self.messages_field], problems) if not problem]
+            columns = tokenize_conversations(self.tokenizer, good, None, **self.template_kwargs) if good else {}
+            tokenized = zip(columns.get("input_ids", ()), columns.get("assistant_masks", ()),
+                            columns.get("drop_reason", ()))
+            for problem in problems:  # in reading order, so each drop travels with the block where it was read
+                if problem:
+                    pending.drop(problem)
+                    continue
+                ids, mask, reason = next(tokenized)
                 if reason != KEPT:
                     pending.drop(reason)
                     continue

@@ -96,7 +96,7 @@ class DataReport:
     def format(self) -> str:
         if self.streamed:
             return (f"[data] {self.source}: streamed; bad rows are dropped as they are read, and logged (the 1st, "
-                    "10th, 100th... of each reason per reader)")
+                    "10th, 100th... of each reason per reader); with pack_blocks counted over all readers too")
         reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(self.dropped.items())) or "none"
         line = (f"[data] {self.source}: {self.rows} rows, kept {self.kept}, dropped {sum(self.dropped.values())} "
                 f"({self.dropped_share:.2%}: {reasons}), truncated {self.truncated}")
