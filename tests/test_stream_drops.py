@@ -10,13 +10,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from conftest import REPO_ROOT, launch_sft
 from sft_recipes.data.blocks import RankLocalBlockStream, StopWhenAnyRankExhausted, StreamStats, collate_blocks
 from sft_recipes.data.collator import BlockDiagonalCollator
 from sft_recipes.data.report import MIN_ROWS_BEFORE_DROP_LIMIT, DataReport
-from sft_recipes.data.sources import load_checked_dataset
+from sft_recipes.data.rows import ROW_PROBLEM
+from sft_recipes.data.sources import load_checked_dataset, without_marked_rows
 from sft_recipes.errors import RecipeError
 from sft_recipes.tiny import build_tokenizer
 
@@ -70,6 +72,16 @@ def test_every_reader_of_every_rank_counts_bad_rows_and_masking_drops(tmp_path):
     total = per_rank[0].add(per_rank[1])
     assert total.dropped == {"invalid_json": 1, "no_assistant_turn": 2, "unknown_role": 1, "prefix_mismatch": 3}
     assert total.supervised_tokens > 0 and report.streamed and report.rows == 0
+
+
+def test_a_streamed_hub_dataset_read_for_blocks_keeps_its_bad_rows_flagged(monkeypatch):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    bad = {"messages": [{"role": "bot", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    stream = Dataset.from_list([good, bad, good]).to_iterable_dataset()
+    monkeypatch.setattr("sft_recipes.data.sources.load_raw_dataset", lambda args: stream)
+    rows, _ = load_checked_dataset(streamed_args("org/chat-data"), mark_bad_rows=True)
+    assert [row[ROW_PROBLEM] for row in rows] == [None, "unknown_role", None]
+    assert [row["messages"] for row in without_marked_rows(rows)] == [good["messages"]] * 2
 
 
 def test_a_bad_row_is_counted_with_the_block_read_after_it(tmp_path):
@@ -143,7 +155,8 @@ def test_too_many_bad_streamed_rows_refuse_on_every_rank_without_a_hang(tmp_path
     assert re.match(r"error: Refusing to go on: (3[5-9]|4[0-5])\.\d\d% of the rows are dropped, more than "
                     r"max_dropped_share=0\.05", errors[0]), errors[0]
     assert "dropped invalid_json " in errors[0] and ", no_assistant_turn " in errors[0], errors[0]
-    assert "Traceback" not in result.stderr  # a refusal, on both ranks, not a crash of one
+    assert result.stderr.count("exitcode  : 2") == 2  # torchrun's report: both ranks refused (exit 2)
+    assert not re.search(r'File ".*(sft_recipes|scripts/sft\.py)', result.stderr)  # no traceback of ours
 
 
 @pytest.mark.fsdp

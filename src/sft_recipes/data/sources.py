@@ -92,9 +92,6 @@ class StreamedRowCheck:
         self.dataset_format = dataset_format
         self.dropped: Counter = Counter()
 
-    def keep(self, row: dict[str, Any] | None, where: str, line: str | None = None) -> bool:
-        return self.problem(row, where, line) is None
-
     def problem(self, row: dict[str, Any] | None, where: str, line: str | None = None) -> str | None:
         """Why the row is dropped (counted, and shown if it is the 1st, 10th, 100th... of its reason), or None."""
         problem = INVALID_JSON if row is None else FORMATS[self.dataset_format].row_problem(row)
@@ -109,7 +106,7 @@ class StreamedRowCheck:
         return problem
 
     def __call__(self, row: dict[str, Any]) -> bool:  # as a `datasets` filter
-        return self.keep(row, "a row")
+        return self.problem(row, "a row") is None
 
     def mark(self, row: dict[str, Any]) -> dict[str, str | None]:  # as a `datasets` map
         return {ROW_PROBLEM: self.problem(row, "a row")}
