@@ -72,13 +72,14 @@ class DataReport:
     def count_stream(self, total: StreamStats, stream_ended: bool, max_dropped_share: float) -> None:
         """Take the packed stream's running counts (all ranks); RecipeError when its share is too high."""
         self.stream_rows, self.stream_dropped = total.conversations, Counter(total.dropped)
-        if (total.conversations >= MIN_ROWS_BEFORE_DROP_LIMIT or stream_ended) and self.dropped_share > max_dropped_share:
+        judged = total.conversations >= MIN_ROWS_BEFORE_DROP_LIMIT or stream_ended
+        if judged and self.dropped_share > max_dropped_share:
             raise RecipeError(
                 f"Refusing to go on: {self.dropped_share:.2%} of the rows are dropped, more than max_dropped_share="
-                f"{max_dropped_share} ({self.describe_stream()}; counted over every rank once "
-                f"{MIN_ROWS_BEFORE_DROP_LIMIT} conversations were read). Fix the rows, check dataset_format and the "
-                "chat template (`scripts/sft.py RECIPE --audit-data 5` shows rows), or raise max_dropped_share if "
-                "dropping them is intended."
+                f"{max_dropped_share} ({self.describe_stream()}; summed over every rank, judged from "
+                f"{MIN_ROWS_BEFORE_DROP_LIMIT} conversations read or at the end of the stream). Fix the rows, check "
+                "dataset_format and the chat template (`scripts/sft.py RECIPE --audit-data 5` shows rows), or raise "
+                "max_dropped_share if dropping them is intended."
             )
 
     def describe_stream(self) -> str:
