@@ -4,6 +4,7 @@ throughput in every log, and LoRA checkpoints loadable as PEFT adapters."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
@@ -35,6 +36,7 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
     """
 
     def __init__(self, *args, block_stream: RankLocalBlockStream | None = None,
+                 count_stream: Callable[[StreamStats, bool], None] | None = None,
                  throughput: ThroughputMeter | None = None, adapter_checkpoints: bool = False, **kwargs):
         self.throughput = throughput
         self.block_stream = block_stream
@@ -52,7 +54,7 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
         # made a step's loss the mean of per-rank, per-micro-batch means. Every step is the global token mean.
         self.model_accepts_loss_kwargs = True
         if self.block_stream is not None:
-            self.exhaustion = StopWhenAnyRankExhausted(self.stream_stats)
+            self.exhaustion = StopWhenAnyRankExhausted(self.stream_stats, count_stream)
             self.add_callback(self.exhaustion)
 
     @property
@@ -92,6 +94,8 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
         result = super().train(*args, **kwargs)
         if self.block_stream is not None:  # each rank trained on its own shard
             logger.info("[data] rank %d trained on %s", self.args.process_index, self.stream_stats.describe())
+            if self.args.process_index == 0:
+                logger.info("[data] all %d ranks trained on %s", self.args.world_size, self.exhaustion.total.describe())
         return result
 
     def training_step(self, model, inputs, num_items_in_batch=None):

@@ -10,13 +10,18 @@ Readers run out of data at different times. One that has run out keeps yielding 
 blocks flagged `stream_exhausted`, so its rank never leaves a collective early;
 `StopWhenAnyRankExhausted` all-reduces the flag at every optimizer step and stops every rank on
 the same step (as the reference recipe does with its `ran_out` all-reduce).
+
+Conversations dropped on the way (bad streamed rows, flagged while reading; conversations the
+masking cannot train on) are counted by the reader that meets them and travel with its blocks
+(`StreamStats`); the same all-reduce sums them over every rank, so `max_dropped_share` is
+enforced on every rank together (`DataReport.count_stream`).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,12 +32,18 @@ from torch.utils.data import IterableDataset as TorchIterableDataset
 from torch.utils.data import get_worker_info
 from transformers import TrainerCallback
 
+from sft_recipes.data.masking import DROP_REASONS as MASKING_DROP_REASONS
 from sft_recipes.data.masking import KEPT, tokenize_conversations
+from sft_recipes.data.rows import ROW_DROP_REASONS, ROW_PROBLEM
 from sft_recipes.errors import RecipeError
 
 IGNORE_INDEX = -100
 TOKENIZE_BATCH = 256
 PACKING_WINDOW = 1024  # examples a whole-example block may choose from (DataArguments.packing_window)
+# The reasons summed over ranks one by one (an all-reduce needs the same slots on every rank);
+# any other is summed under OTHER_REASONS.
+DROP_REASONS = tuple(dict.fromkeys((*ROW_DROP_REASONS, *MASKING_DROP_REASONS)))
+OTHER_REASONS = "other_reasons"
 
 
 def fill_blocks(examples: Iterable[dict[str, list[int]]], max_length: int, split_examples: bool = True,
@@ -144,6 +155,11 @@ class StreamStats:
             self.dropped[reason] = self.dropped.get(reason, 0) + count
         return self
 
+    def drop(self, reason: str) -> None:
+        """One conversation read and dropped."""
+        self.conversations += 1
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
     @property
     def packing_efficiency(self) -> float:
         return self.real_tokens / self.token_slots if self.token_slots else 0.0
@@ -190,12 +206,20 @@ class RankLocalBlockStream(TorchIterableDataset):
     def _tokenized(self, pending: StreamStats) -> Iterator[dict[str, list[int]]]:
         # `.iter()` (unlike `__iter__`) does not split the shard again among dataloader workers.
         for batch in self.reader_shard().iter(batch_size=TOKENIZE_BATCH):
-            columns = tokenize_conversations(self.tokenizer, batch[self.messages_field], None, **self.template_kwargs)
-            for ids, mask, reason in zip(columns["input_ids"], columns["assistant_masks"], columns["drop_reason"]):
-                pending.conversations += 1
-                if reason != KEPT:
-                    pending.dropped[reason] = pending.dropped.get(reason, 0) + 1
+            problems = batch.get(ROW_PROBLEM) or [None] * len(batch[self.messages_field])  # flagged while reading
+            good = [conversation for conversation, problem in zip(batch[self.messages_field], problems) if not problem]
+            columns = tokenize_conversations(self.tokenizer, good, None, **self.template_kwargs) if good else {}
+            tokenized = zip(columns.get("input_ids", ()), columns.get("assistant_masks", ()),
+                            columns.get("drop_reason", ()))
+            for problem in problems:  # in reading order, so each drop travels with the block where it was read
+                if problem:
+                    pending.drop(problem)
                     continue
+                ids, mask, reason = next(tokenized)
+                if reason != KEPT:
+                    pending.drop(reason)
+                    continue
+                pending.conversations += 1
                 labels = [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask)]
                 yield {"input_ids": ids, "labels": labels}
 
@@ -240,25 +264,48 @@ def collate_blocks(collator):
     return collate
 
 
+SUMMED_COUNTERS = ("conversations", "blocks", "real_tokens", "token_slots", "supervised_tokens",
+                   "squared_segment_lengths")
+
+
+def _summed_over_ranks(stats: StreamStats, exhausted: bool, device) -> tuple[StreamStats, bool]:
+    """(every rank's counts summed, whether any rank has run out): one all-reduce."""
+    other = sum(count for reason, count in stats.dropped.items() if reason not in DROP_REASONS)
+    dropped = [stats.dropped.get(reason, 0) for reason in DROP_REASONS] + [other]
+    counters = [getattr(stats, name) for name in SUMMED_COUNTERS]
+    values = torch.tensor([float(exhausted), *counters, *dropped], dtype=torch.float64,
+                          device=device)  # exact integers up to 2**53
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(values)
+    exhausted_ranks, *counts = (int(value) for value in values.tolist())
+    summed = dict(zip(SUMMED_COUNTERS, counts))
+    dropped = dict(zip((*DROP_REASONS, OTHER_REASONS), counts[len(SUMMED_COUNTERS):]))
+    total = StreamStats(**summed, dropped={reason: count for reason, count in dropped.items() if count})
+    return total, exhausted_ranks > 0
+
+
 class StopWhenAnyRankExhausted(TrainerCallback):
     """All ranks stop on the first optimizer step after which any rank has run out of data.
 
     A stream that ends before any rank trained on a supervised token is an error on every rank (a
-    dataset with nothing to learn), raised before the stopping step is saved or exported.
+    dataset with nothing to learn), raised before the stopping step is saved or exported. After
+    every step `total` holds every rank's counts summed, and `on_total(total, stream_ended)` sees
+    them on every rank (the drop limit: a refusal it raises is raised on every rank together).
     """
 
-    def __init__(self, trained: StreamStats) -> None:
+    def __init__(self, trained: StreamStats,
+                 on_total: Callable[[StreamStats, bool], None] | None = None) -> None:
         self.exhausted = False
         self.trained = trained  # what this rank has trained on so far: the trainer adds each batch's counts
+        self.on_total = on_total
+        self.total = StreamStats()
 
     def on_step_end(self, args, state, control, **kwargs):
-        flags = torch.tensor([float(self.exhausted), float(self.trained.supervised_tokens)], dtype=torch.float64,
-                             device=args.device)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(flags)
-        exhausted_ranks, supervised_tokens = flags.tolist()
-        if exhausted_ranks > 0:
-            if supervised_tokens == 0:
+        self.total, stream_ended = _summed_over_ranks(self.trained, self.exhausted, args.device)
+        if self.on_total is not None:
+            self.on_total(self.total, stream_ended)
+        if stream_ended:
+            if self.total.supervised_tokens == 0:
                 raise RecipeError(
                     "Refusing to go on: the packed stream ended before any rank trained on a supervised token, so "
                     f"the dataset has nothing to learn (this rank: {self.trained.describe()}). Streamed rows that "

@@ -1,15 +1,28 @@
 """What happened to a dataset's rows: counts per drop reason and the first offending row of each,
-and the refusal when too many were dropped or nothing is left to learn."""
+and the refusal when too many were dropped or nothing is left to learn.
+
+A packed block stream finds some drops only while training (every bad row of a streamed dataset,
+and every conversation the masking cannot train on): its readers' counts, summed over ranks after
+every step, come in through `count_stream`, which enforces `max_dropped_share` on them once
+MIN_ROWS_BEFORE_DROP_LIMIT conversations have been read (or the stream has ended).
+"""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
 from sft_recipes.errors import RecipeError
 
+if TYPE_CHECKING:
+    from sft_recipes.data.blocks import StreamStats
+
 EXCERPT_CHARS = 300
+# Conversations all ranks' readers must have read before their running share is enforced: 200
+# measure a 5% share (the default limit) to about +-1.5 points (one standard error).
+MIN_ROWS_BEFORE_DROP_LIMIT = 200
 
 
 @dataclass
@@ -23,6 +36,8 @@ class DataReport:
     truncated: int = 0
     trainable_tokens: int | None = None  # None: not counted (streamed, or masked later)
     streamed: bool = False
+    stream_rows: int | None = None  # conversations the packed stream's readers read, all ranks (None: no stream)
+    stream_dropped: Counter = field(default_factory=Counter)  # what they dropped, per reason
 
     def drop(self, reason: str, where: str, row: Any) -> None:
         self.dropped[reason] += 1
@@ -43,17 +58,46 @@ class DataReport:
 
     @property
     def dropped_share(self) -> float:
-        return sum(self.dropped.values()) / self.rows if self.rows else 0.0
+        """The share of rows dropped. With a packed stream, the shares kept up front and while reading
+        multiply: the stream reads only the rows kept up front (all of them, for a streamed dataset)."""
+        rows, dropped = self.rows, sum(self.dropped.values())
+        if not self.stream_rows:
+            return dropped / rows if rows else 0.0
+        stream_dropped = sum(self.stream_dropped.values())
+        if not rows:  # a streamed dataset: the stream reads every row
+            return stream_dropped / self.stream_rows
+        both = rows * self.stream_rows  # in integers, so that the share is exact
+        return (both - (rows - dropped) * (self.stream_rows - stream_dropped)) / both
+
+    def count_stream(self, total: StreamStats, stream_ended: bool, max_dropped_share: float) -> None:
+        """Take the packed stream's running counts (all ranks); RecipeError when its share is too high."""
+        self.stream_rows, self.stream_dropped = total.conversations, Counter(total.dropped)
+        judged = total.conversations >= MIN_ROWS_BEFORE_DROP_LIMIT or stream_ended
+        if judged and self.dropped_share > max_dropped_share:
+            raise RecipeError(
+                f"Refusing to go on: {self.dropped_share:.2%} of the rows are dropped, more than max_dropped_share="
+                f"{max_dropped_share} ({self.describe_stream()}; summed over every rank, judged from "
+                f"{MIN_ROWS_BEFORE_DROP_LIMIT} conversations read or at the end of the stream). Fix the rows, check "
+                "dataset_format and the chat template (`scripts/sft.py RECIPE --audit-data 5` shows rows), or raise "
+                "max_dropped_share if dropping them is intended."
+            )
+
+    def describe_stream(self) -> str:
+        dropped = ", ".join(f"{reason} {count}" for reason, count in sorted(self.stream_dropped.items())) or "none"
+        before = f"after {sum(self.dropped.values())} of {self.rows} rows dropped up front, " if self.rows else ""
+        return f"{before}the packed stream read {self.stream_rows} conversations and dropped {dropped}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"source": self.source, "rows": self.rows, "kept": self.kept, "dropped": dict(self.dropped),
                 "dropped_share": round(self.dropped_share, 6), "truncated": self.truncated,
-                "trainable_tokens": self.trainable_tokens, "streamed": self.streamed, "examples": self.examples}
+                "trainable_tokens": self.trainable_tokens, "streamed": self.streamed, "examples": self.examples,
+                "read_while_training": None if self.stream_rows is None else
+                {"rows": self.stream_rows, "dropped": dict(self.stream_dropped)}}
 
     def format(self) -> str:
         if self.streamed:
             return (f"[data] {self.source}: streamed; bad rows are dropped as they are read, and logged (the 1st, "
-                    "10th, 100th... of each reason per reader)")
+                    "10th, 100th... of each reason per reader); with pack_blocks counted over all readers too")
         reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(self.dropped.items())) or "none"
         line = (f"[data] {self.source}: {self.rows} rows, kept {self.kept}, dropped {sum(self.dropped.values())} "
                 f"({self.dropped_share:.2%}: {reasons}), truncated {self.truncated}")

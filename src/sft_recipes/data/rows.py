@@ -28,6 +28,12 @@ UNKNOWN_ROLE = "unknown_role"
 NO_ASSISTANT_TURN = "no_assistant_turn"
 OVERLONG = "overlong"
 NO_TRAINABLE_TOKENS = "no_trainable_tokens"
+ROW_DROP_REASONS = (INVALID_JSON, MISSING_FIELD, NOT_A_STRING, EMPTY_CONTENT, UNKNOWN_ROLE, NO_ASSISTANT_TURN, OVERLONG,
+                    NO_TRAINABLE_TOKENS)
+
+# A streamed dataset read for a packed block stream keeps its bad rows, each flagged with its drop
+# reason in this column (None on good rows), so the reader that meets one counts it (`blocks.py`).
+ROW_PROBLEM = "row_problem"
 
 KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
 OPTIONAL_CONTENT_ROLES = ("system", "developer")

@@ -4,7 +4,9 @@ the rows its `dataset_format` can train on (bad rows counted per reason in a `Da
 A local .jsonl is read line by line, so one bad line is one dropped row, not a failed file (the
 `datasets` json builder fails the whole file, or stream, on one bad line). Streamed datasets are
 filtered lazily by the same row rules; their counts are not known at start, so each reader logs
-bad rows as it meets them (`StreamedRowCheck`).
+bad rows as it meets them (`StreamedRowCheck`). Read for a packed block stream (`mark_bad_rows`),
+a stream keeps its bad rows, flagged with their reason, so the reader that meets one counts it
+with the blocks it sends (`RankLocalBlockStream`), and the run sums every reader's counts.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from datasets import Dataset, IterableDataset, load_dataset
 
 from sft_recipes.data.formats import FORMATS
 from sft_recipes.data.report import EXCERPT_CHARS, DataReport
-from sft_recipes.data.rows import INVALID_JSON
+from sft_recipes.data.rows import INVALID_JSON, ROW_PROBLEM
 from sft_recipes.errors import RecipeError
 
 logger = logging.getLogger(__name__)
@@ -90,36 +92,48 @@ class StreamedRowCheck:
         self.dataset_format = dataset_format
         self.dropped: Counter = Counter()
 
-    def keep(self, row: dict[str, Any] | None, where: str, line: str | None = None) -> bool:
+    def problem(self, row: dict[str, Any] | None, where: str, line: str | None = None) -> str | None:
+        """Why the row is dropped (counted, and shown if it is the 1st, 10th, 100th... of its reason), or None."""
         problem = INVALID_JSON if row is None else FORMATS[self.dataset_format].row_problem(row)
         if problem is None:
-            return True
+            return None
         self.dropped[problem] += 1
         count = self.dropped[problem]
         if count == 10 ** (len(str(count)) - 1):  # 1, 10, 100, ...
             text = line if row is None else json.dumps(row, default=str, ensure_ascii=False)
             logger.warning("[data] %s: dropped streamed row (%s, %d so far in this reader), %s: %s", self.source,
                            problem, count, where, text[:EXCERPT_CHARS])
-        return False
+        return problem
 
     def __call__(self, row: dict[str, Any]) -> bool:  # as a `datasets` filter
-        return self.keep(row, "a row")
+        return self.problem(row, "a row") is None
+
+    def mark(self, row: dict[str, Any]) -> dict[str, str | None]:  # as a `datasets` map
+        return {ROW_PROBLEM: self.problem(row, "a row")}
 
 
-def _valid_jsonl_rows(path: str, dataset_format: str) -> Iterator[dict[str, Any]]:
-    """The rows of a local .jsonl that a streamed run can train on; bad lines are skipped, not fatal."""
+def _valid_jsonl_rows(path: str, dataset_format: str, mark_bad_rows: bool = False) -> Iterator[dict[str, Any]]:
+    """The rows of a local .jsonl that a streamed run can train on; bad lines are skipped (or, with
+    `mark_bad_rows`, yielded empty with their reason in ROW_PROBLEM), not fatal."""
     columns = FORMATS[dataset_format].columns
     check = StreamedRowCheck(path, dataset_format)
     for number, row, line in read_jsonl(Path(path)):
-        if check.keep(row, f"line {number}", line):
-            yield {column: row.get(column) for column in columns}
+        problem = check.problem(row, f"line {number}", line)
+        if problem is None:
+            yield {column: row.get(column) for column in columns} | ({ROW_PROBLEM: None} if mark_bad_rows else {})
+        elif mark_bad_rows:  # its values stay behind: a wrongly typed one would break Arrow
+            yield dict.fromkeys(columns) | {ROW_PROBLEM: problem}
 
 
-def _streamed_jsonl(path: Path, data_args) -> tuple[IterableDataset, DataReport]:
+def without_marked_rows(rows: IterableDataset) -> IterableDataset:
+    """A stream read with `mark_bad_rows`, as the format's own checks read it: good rows only."""
+    return rows.filter(lambda row: row[ROW_PROBLEM] is None)
+
+
+def _streamed_jsonl(path: Path, data_args, mark_bad_rows: bool) -> tuple[IterableDataset, DataReport]:
     # `datasets`' json builder fails the whole stream on one bad line; read it line by line instead.
-    dataset = IterableDataset.from_generator(
-        _valid_jsonl_rows, gen_kwargs={"path": str(path), "dataset_format": data_args.dataset_format}
-    )
+    dataset = IterableDataset.from_generator(_valid_jsonl_rows, gen_kwargs={
+        "path": str(path), "dataset_format": data_args.dataset_format, "mark_bad_rows": mark_bad_rows})
     if data_args.max_train_samples is not None:
         dataset = dataset.take(data_args.max_train_samples)
     report = DataReport(source=str(path))
@@ -151,21 +165,27 @@ def _checked_jsonl(path: Path, data_args) -> tuple[Dataset, DataReport]:
     return Dataset.from_list(rows), report
 
 
-def load_checked_dataset(data_args) -> tuple[Dataset | IterableDataset, DataReport]:
+def load_checked_dataset(data_args, mark_bad_rows: bool = False) -> tuple[Dataset | IterableDataset, DataReport]:
     """The recipe's training rows without bad ones, and the report of what was dropped and why.
+
+    With `mark_bad_rows`, a streamed dataset keeps its bad rows, flagged in ROW_PROBLEM, for the
+    packed block stream to count as it reads them (`without_marked_rows` leaves them out again).
 
     Raises RecipeError when the columns do not fit `dataset_format`.
     """
     local = _local_jsonl(data_args)
     if local is not None:
-        return _streamed_jsonl(local, data_args) if data_args.dataset_streaming else _checked_jsonl(local, data_args)
+        if data_args.dataset_streaming:
+            return _streamed_jsonl(local, data_args, mark_bad_rows)
+        return _checked_jsonl(local, data_args)
     dataset = load_raw_dataset(data_args)
     fmt = FORMATS[data_args.dataset_format]
     fmt.check_columns(dataset.column_names, data_args.dataset_name)
     report = DataReport(source=data_args.dataset_name)
     if isinstance(dataset, IterableDataset):
         report.streamed = True
-        return dataset.filter(StreamedRowCheck(data_args.dataset_name, fmt.name)), report
+        check = StreamedRowCheck(data_args.dataset_name, fmt.name)
+        return (dataset.map(check.mark) if mark_bad_rows else dataset.filter(check)), report
     problems = [fmt.row_problem(row) for row in dataset]
     report.rows = len(problems)
     for index, problem in enumerate(problems):

@@ -56,17 +56,28 @@ class RecipeParamsCallback(TrainerCallback):
 
 
 class DataReportCallback(TrainerCallback):
-    """Write the report to output_dir/data_report.json; log its counts to MLflow as `data.*` params."""
+    """Write the report to output_dir/data_report.json; log its counts to MLflow as `data.*` params.
+
+    A packed stream counts its drops while training: the file is written again at the end with them.
+    """
 
     def __init__(self, report: DataReport) -> None:
         self.report = report
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
+    def _write(self, args) -> dict:
         summary = self.report.as_dict()
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         Path(args.output_dir, "data_report.json").write_text(json.dumps(summary, indent=2, default=str))
+        return summary
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and self.report.stream_rows is not None:
+            self._write(args)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        summary = self._write(args)
         if not mlflow_enabled(args):
             return
         import mlflow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from datasets import Dataset, IterableDataset
 from trl.trainer.utils import global_then_local_main_first
@@ -13,7 +14,7 @@ from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
 from sft_recipes.data.collator import BlockDiagonalCollator
 from sft_recipes.data.formats import CHAT_FORMATS
 from sft_recipes.data.report import DataReport
-from sft_recipes.data.sources import load_checked_dataset
+from sft_recipes.data.sources import load_checked_dataset, without_marked_rows
 from sft_recipes.errors import RecipeError
 from sft_recipes.reporting.samples import sample_prompts_for_run
 from sft_recipes.run.setup import Run
@@ -26,18 +27,22 @@ class RunData:
     collator: Callable | None  # the one that goes with the blocks; None: TRL's own
     report: DataReport
     sample_prompts: list[str]  # answered before and after training (samples.md); [] = none
+    # With a block stream: takes its counts summed over ranks after every step, refuses too many drops
+    count_stream: Callable | None = None
 
 
 def build_data(run: Run, tokenizer) -> RunData:
     """Read the rows (bad ones dropped and counted), turn them into tokens + labels through their format,
     and refuse to train when too many were dropped or nothing is left to learn."""
     data_args, training = run.recipe.data, run.recipe.training
-    rows, report = load_checked_dataset(data_args)
-    sample_prompts = sample_prompts_for_run(training, rows, data_args.dataset_format)
+    # A block stream counts a stream's bad rows where it reads them, so they stay in it, flagged.
+    rows, report = load_checked_dataset(data_args, mark_bad_rows=run.packs_blocks)
+    good_rows = without_marked_rows(rows) if run.packs_blocks and report.streamed else rows
+    sample_prompts = sample_prompts_for_run(training, good_rows, data_args.dataset_format)
     fmt, tokenization = run.data_format, run.tokenization
-    train, block_stream, collator = None, None, None
+    train, block_stream, collator, count_stream = None, None, None, None
     with global_then_local_main_first():  # prepared once per datasets cache (shared or node-local), not per rank
-        fmt.check_trainable(rows, tokenizer, tokenization)
+        fmt.check_trainable(good_rows, tokenizer, tokenization)
         if run.packs_blocks:  # each rank (x dataloader worker) reads and tokenizes its own shard
             block_stream = RankLocalBlockStream(
                 rows, tokenizer, training.max_length, training.process_index, training.world_size,
@@ -46,13 +51,14 @@ def build_data(run: Run, tokenizer) -> RunData:
             )
             collator = collate_blocks(BlockDiagonalCollator(training.max_length, tokenizer.pad_token_id,
                                                             block_per_row=True))
+            count_stream = partial(report.count_stream, max_dropped_share=data_args.max_dropped_share)
         else:
             train = fmt.prepare(rows, tokenizer, tokenization, report)
     if run.is_main:
         print(report.format(), flush=True)
     report.enforce(data_args.max_dropped_share)
     return RunData(train=train, block_stream=block_stream, collator=collator, report=report,
-                   sample_prompts=sample_prompts)
+                   sample_prompts=sample_prompts, count_stream=count_stream)
 
 
 def audit_data(run: Run, tokenizer, n: int) -> str:

@@ -56,6 +56,7 @@ def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Traini
         args=training_args,
         train_dataset=data.train,
         block_stream=data.block_stream,
+        count_stream=data.count_stream,  # drops summed over ranks, max_dropped_share enforced while training
         data_collator=data.collator,
         processing_class=tokenizer,
         throughput=throughput,  # tokens/s per device, MFU, peak memory in every log
