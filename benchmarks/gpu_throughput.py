@@ -29,8 +29,9 @@ sequence parallelism at SP 1/2/4.
    all-to-all around attention) and the step's loss as the global token mean. Each rank keeps a
    full model replica (no FSDP, no gradient reduction), so the figures isolate what SP changes: the
    per-rank activations and the all-to-all. Reported: block tokens/s of the group and per GPU, and
-   the largest peak memory over the group's ranks. A size needing more GPUs than the machine has is
-   reported as skipped.
+   the largest peak memory over the group's ranks, and the first step's loss (the same block and
+   weights at every size: it must agree). A size needing more GPUs than the machine has is reported
+   as skipped.
 
 Needs the project's requirements; flash-attn, liger-kernel, flash-linear-attention and
 causal-conv1d are used when installed and reported as missing otherwise.
@@ -385,7 +386,7 @@ def sequence_parallel_worker(rank: int, size: int, port: int, options: argparse.
         batches = packed_batches(examples, 1, options.sp_block, pad_token_id=0)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        start, tokens = None, 0
+        start, tokens, first_loss = None, 0, None
         for index, (batch, _) in enumerate(batches):
             if index == options.warmup:
                 if cuda:
@@ -397,6 +398,7 @@ def sequence_parallel_worker(rank: int, size: int, port: int, options: argparse.
             logits = model(**shard, use_cache=False).logits
             share, loss = global_token_mean(*summed_token_loss(logits, targets), group=group)
             share.backward()
+            first_loss = loss.item() if first_loss is None else first_loss
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if index >= options.warmup:
@@ -407,7 +409,7 @@ def sequence_parallel_worker(rank: int, size: int, port: int, options: argparse.
             torch.cuda.synchronize(device)
         if start is None or tokens == 0:
             raise ValueError(f"not enough data for {options.warmup} + {options.steps} blocks: raise --conversations")
-        result = {"seconds": time.perf_counter() - start, "tokens": tokens, "loss": loss.item(),
+        result = {"seconds": time.perf_counter() - start, "tokens": tokens, "first_loss": first_loss,
                   "memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
@@ -440,7 +442,7 @@ def sequence_parallel_rows(options: argparse.Namespace, device) -> tuple[list[li
         seconds = max(result["seconds"] for result in results)  # the group steps together
         memory = [result["memory_gib"] for result in results]
         rows.append([size, f"{results[0]['tokens'] / seconds:,.0f}", f"{results[0]['tokens'] / seconds / size:,.0f}",
-                     "n/a" if None in memory else f"{max(memory):.1f}", f"{results[0]['loss']:.3f}"])
+                     "n/a" if None in memory else f"{max(memory):.1f}", f"{results[0]['first_loss']:.4f}"])
     description = (f"Sequence parallelism: {options.model} Llama, {options.sp_block}-token packed blocks, one block "
                    f"per group per step, {options.warmup} warm-up + {options.steps} timed steps; a full replica per "
                    "rank (no FSDP): what changes is the per-rank share of the block and the all-to-all.")
@@ -466,7 +468,7 @@ def report(options: argparse.Namespace, argv: list[str]) -> str:
     if options.sequence_parallel:
         rows, description = sequence_parallel_rows(options, device)
         lines += [description, "", markdown_table(["SP size", "block tokens/s (group)", "tokens/s per GPU",
-                                                   "peak memory GiB (max over ranks)", "last loss"], rows), ""]
+                                                   "peak memory GiB (max over ranks)", "first loss"], rows), ""]
     return "\n".join(lines)
 
 
