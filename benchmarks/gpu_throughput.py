@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""GPU training throughput (padded vs packed, with and without Liger) and the qwen3_5 kernel check.
+"""GPU training throughput (padded vs packed, with and without Liger), the qwen3_5 kernel check, and
+sequence parallelism at SP 1/2/4.
 
     python benchmarks/gpu_throughput.py                   # one GPU, ~3 minutes; 1B model
     python benchmarks/gpu_throughput.py --model 3b        # Llama-3.2-3B shape (fits one H200)
@@ -22,6 +23,15 @@
    ``prepare_for_packing``, run in a process where the kernel packages cannot import). Outputs must
    agree to ``--tolerance`` (relative); the kernels that were bound are named, so a run without them
    says so instead of comparing the fallback with itself unnoticed.
+3. Sequence parallelism: the same Llama model trained on ``--sp-block``-token packed blocks by
+   groups of ``--sequence-parallel`` sizes (default 1,2,4) of processes, one GPU each (NCCL; gloo on
+   CPU), with ``sft_recipes.architectures.sequence_parallel`` (each rank holds ``1/N`` of a block,
+   all-to-all around attention) and the step's loss as the global token mean. Each rank keeps a
+   full model replica (no FSDP, no gradient reduction), so the figures isolate what SP changes: the
+   per-rank activations and the all-to-all. Reported: block tokens/s of the group and per GPU, and
+   the largest peak memory over the group's ranks, and the first step's loss (the same block and
+   weights at every size: it must agree). A size needing more GPUs than the machine has is reported
+   as skipped.
 
 Needs the project's requirements; flash-attn, liger-kernel, flash-linear-attention and
 causal-conv1d are used when installed and reported as missing otherwise.
@@ -60,6 +70,8 @@ MODEL_SIZES = {
 QWEN_EXAMPLE_LENGTHS = (300, 77, 1000, 150)  # not multiples of fla's 64-token chunks
 QUICK_QWEN_EXAMPLE_LENGTHS = (70, 9, 130, 20)
 KERNEL_PACKAGES = ("fla", "causal_conv1d")
+SEQUENCE_PARALLEL_SIZES = (1, 2, 4)
+QUICK_SEQUENCE_PARALLEL_SIZES = (1, 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,6 +332,124 @@ def qwen3_5_rows(options: argparse.Namespace, device) -> tuple[list[list[Any]], 
 
 
 # ---------------------------------------------------------------------------------------------
+# 3. Sequence parallelism
+
+
+def parse_sequence_parallel_sizes(text: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> (1, 2, 4); ``""`` -> () (the section is skipped)."""
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sequence-parallel takes sizes like 1,2,4, got {text!r}") from None
+    if any(size < 1 for size in sizes):
+        raise argparse.ArgumentTypeError(f"--sequence-parallel sizes must be at least 1, got {text!r}")
+    return sizes
+
+
+def sequence_parallel_size_skip_reason(size: int, block: int, device_type: str, devices: int) -> str | None:
+    """Why ``size`` cannot run here, or None."""
+    if block % size:
+        return f"skipped: the {block}-token block does not split into {size} chunks"
+    if device_type == "cuda" and size > devices:
+        return f"skipped: needs {size} GPUs, this machine has {devices}"
+    return None
+
+
+def sequence_parallel_worker(rank: int, size: int, port: int, options: argparse.Namespace, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+
+    from sft_recipes.architectures import prepare_for_packing
+    from sft_recipes.architectures.sequence_parallel import enable_sequence_parallel, new_sequence_parallel_group
+    from sft_recipes.data.sequence_shards import shard_block
+    from sft_recipes.token_loss import global_token_mean, summed_token_loss
+
+    cuda = options.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size)
+    try:
+        layout, group = new_sequence_parallel_group(size)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM._from_config(llama_config(options.model), attn_implementation=attention_implementation(
+            device), dtype=torch.bfloat16 if cuda else torch.float32).to(device)
+        prepare_for_packing(model)
+        enable_sequence_parallel(model, group)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+        examples = training_examples(options.conversations, options.tokenizer_args)
+        batches = packed_batches(examples, 1, options.sp_block, pad_token_id=0)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        start, tokens, first_loss = None, 0, None
+        for index, (batch, _) in enumerate(batches):
+            if index == options.warmup:
+                if cuda:
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+            shard = shard_block(batch, layout.sp_rank, size)
+            targets = shard.pop("shift_labels").to(device)
+            shard = {k: v.to(device) if torch.is_tensor(v) else v for k, v in shard.items()}
+            logits = model(**shard, use_cache=False).logits
+            share, loss = global_token_mean(*summed_token_loss(logits, targets), group=group)
+            share.backward()
+            first_loss = loss.item() if first_loss is None else first_loss
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if index >= options.warmup:
+                tokens += batch["input_ids"].numel()
+            if index + 1 == options.warmup + options.steps:
+                break
+        if cuda:
+            torch.cuda.synchronize(device)
+        if start is None or tokens == 0:
+            raise ValueError(f"not enough data for {options.warmup} + {options.steps} blocks: raise --conversations")
+        result = {"seconds": time.perf_counter() - start, "tokens": tokens, "first_loss": first_loss,
+                  "memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def sequence_parallel_rows(options: argparse.Namespace, device) -> tuple[list[list[Any]], str]:
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    devices = torch.cuda.device_count() if device.type == "cuda" else 0
+    rows = []
+    for size in options.sequence_parallel:
+        reason = sequence_parallel_size_skip_reason(size, options.sp_block, device.type, devices)
+        if reason:
+            rows.append([size, reason, "", "", ""])
+            continue
+        with tempfile.TemporaryDirectory() as out_dir, socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+            probe.close()
+            try:
+                mp.spawn(sequence_parallel_worker, args=(size, port, options, out_dir), nprocs=size)
+            except Exception as error:  # one failing size must not hide the others
+                rows.append([size, f"failed: {type(error).__name__}: {str(error)[-160:]}", "", "", ""])
+                continue
+            results = [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(size)]
+        seconds = max(result["seconds"] for result in results)  # the group steps together
+        memory = [result["memory_gib"] for result in results]
+        rows.append([size, f"{results[0]['tokens'] / seconds:,.0f}", f"{results[0]['tokens'] / seconds / size:,.0f}",
+                     "n/a" if None in memory else f"{max(memory):.1f}", f"{results[0]['first_loss']:.4f}"])
+    description = (f"Sequence parallelism: {options.model} Llama, {options.sp_block}-token packed blocks, one block "
+                   f"per group per step, {options.warmup} warm-up + {options.steps} timed steps; a full replica per "
+                   "rank (no FSDP): what changes is the per-rank share of the block and the all-to-all.")
+    return rows, description
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def report(options: argparse.Namespace, argv: list[str]) -> str:
@@ -335,6 +465,10 @@ def report(options: argparse.Namespace, argv: list[str]) -> str:
     qwen, description = qwen3_5_rows(options, device)
     lines += [description, "",
               markdown_table(["comparison", "dtype", "max abs diff / max abs reference", "result"], qwen), ""]
+    if options.sequence_parallel:
+        rows, description = sequence_parallel_rows(options, device)
+        lines += [description, "", markdown_table(["SP size", "block tokens/s (group)", "tokens/s per GPU",
+                                                   "peak memory GiB (max over ranks)", "first loss"], rows), ""]
     return "\n".join(lines)
 
 
@@ -351,6 +485,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--tolerance", type=float, default=1e-2, help="relative, fp32 (bf16: 10x)")
     parser.add_argument("--qwen-lengths", default=",".join(map(str, QWEN_EXAMPLE_LENGTHS)))
+    parser.add_argument("--sequence-parallel", type=parse_sequence_parallel_sizes, default=SEQUENCE_PARALLEL_SIZES,
+                        help="SP sizes to time, e.g. 1,2,4 (one GPU per rank); empty to skip")
+    parser.add_argument("--sp-block", type=int, default=32768, help="packed block length of the SP runs")
     parser.add_argument("--output", help="also write the report to this file")
     parser.add_argument("--qwen3-5-reference", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
@@ -360,6 +497,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         options.qwen_lengths = QUICK_QWEN_EXAMPLE_LENGTHS
         options.model, options.conversations, options.block, options.blocks_per_step = "tiny", 12, 1024, 2
         options.padded_batch, options.steps, options.warmup = 2, 2, 1
+        options.sp_block = 512
+        if options.sequence_parallel == SEQUENCE_PARALLEL_SIZES:
+            options.sequence_parallel = QUICK_SEQUENCE_PARALLEL_SIZES
         options.tokenizer_args = {"training_conversations": 30, "vocab_size": 2000}
     return options
 

@@ -106,3 +106,29 @@ def test_gpu_script_quick_on_cpu(capsys):
     assert plain[1]["real / slots"] == "100.0%"  # only full blocks are timed
     comparisons = table_rows(report, "comparison")
     assert len(comparisons) == 4 and all(row["result"] == "pass" for row in comparisons)
+    sp_rows = {row["SP size"]: row for row in table_rows(report, "SP size")}
+    assert set(sp_rows) == {"1", "2"}  # --quick on CPU: gloo, two processes at most
+    assert all(number(row["block tokens/s (group)"]) > 0 for row in sp_rows.values())
+    # the same first block and weights: SP 2's loss is SP 1's (the global token mean over the group)
+    assert abs(number(sp_rows["2"]["first loss"]) - number(sp_rows["1"]["first loss"])) < 1e-3
+
+
+def test_gpu_script_sequence_parallel_arguments():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        gpu = importlib.import_module("gpu_throughput")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+    assert gpu.parse_args([]).sequence_parallel == (1, 2, 4)
+    assert gpu.parse_args(["--sequence-parallel", "2,8", "--sp-block", "65536"]).sequence_parallel == (2, 8)
+    assert gpu.parse_args(["--sequence-parallel", ""]).sequence_parallel == ()  # section skipped
+    assert gpu.parse_args(["--quick"]).sp_block == 512
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--sequence-parallel", "2,x"])
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--sequence-parallel", "0"])
+    needs_more = gpu.sequence_parallel_size_skip_reason(4, 32768, "cuda", devices=1)
+    assert needs_more == "skipped: needs 4 GPUs, this machine has 1"
+    assert gpu.sequence_parallel_size_skip_reason(4, 32768, "cuda", devices=8) is None
+    assert gpu.sequence_parallel_size_skip_reason(3, 32768, "cpu", devices=0).startswith("skipped: the 32768-token")

@@ -63,6 +63,25 @@ CASES = {
         "the accelerate config launches with mixed_precision: bf16 but the recipe says bf16: false"),
     "batch_the_world_cannot_produce": (
         {"global_batch_size": 100}, {"world_size": 16}, {}, "cannot be made on 16 processes"),
+    "sequence_parallel_with_trl_packing": (
+        {"sequence_parallel_size": 2, "padding_free": True}, {"world_size": 2}, {},
+        "TRL's own `packing`/`padding_free` must be false (use `pack_blocks: true`)"),
+    "sequence_parallel_without_block_packing": (
+        {"sequence_parallel_size": 2}, {"world_size": 2}, {}, "needs `pack_blocks: true`"),
+    "sequence_parallel_attention_implementation": (
+        {"sequence_parallel_size": 2, "pack_blocks": True, "attn_implementation": "flex_attention"}, {"world_size": 2},
+        {}, "'flex_attention' cannot take the block's example boundaries under sequence parallelism; use one of"),
+    "sequence_parallel_size_not_dividing_the_world": (
+        {"sequence_parallel_size": 4, "pack_blocks": True}, {"world_size": 6}, {},
+        "sequence_parallel_size=4 must divide the world size 6; use one of [1, 2, 3, 6]"),
+    "block_length_not_divisible_by_sequence_parallel_size": (
+        {"sequence_parallel_size": 4, "pack_blocks": True, "max_length": 1002}, {"world_size": 4}, {},
+        "max_length=1002 does not split into sequence_parallel_size=4 equal chunks; use a multiple of 4, e.g. 1000"),
+    "sequence_parallel_size_the_heads_cannot_take": (  # tiny qwen3_5: 6 query heads / 1 kv head
+        {"sequence_parallel_size": 4, "pack_blocks": True}, {"world_size": 4, "model_config": tiny_config("qwen3_5")},
+        {}, "sequence_parallel_size=4 does not split this model .* Sizes that work: \\[1, 2\\]"),
+    "activation_offloading_without_accelerator": (
+        {"activation_offloading": True}, {}, {}, "set it false on CPU"),
 }
 
 
@@ -80,8 +99,28 @@ def test_rule_stays_quiet_on_a_sound_recipe(rule, tmp_path, monkeypatch):
     for name in ("FSDP_ACTIVATION_CHECKPOINTING", "FSDP_OFFLOAD_PARAMS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # as fsdp2_cpu.yaml launches; the recipe is fp32 too
-    sound = {"pack_blocks": True, "global_batch_size": 128, "fsdp_wrap_classes": ["Qwen3_5DecoderLayer"]}
+    sound = {"pack_blocks": True, "global_batch_size": 128, "fsdp_wrap_classes": ["Qwen3_5DecoderLayer"],
+             "sequence_parallel_size": 2, "attn_implementation": "sdpa", "max_length": 1024}
     lint(recipe(tmp_path, **sound), world_size=16, model_config=tiny_config("qwen3_5"))  # registered hybrid: fine
+
+
+def test_sequence_parallel_groups_make_the_global_batch(tmp_path):
+    # 16 processes in groups of 4 read 4 streams of blocks: 128 = 4 per group x 4 groups x 8 accumulation
+    lint(recipe(tmp_path, global_batch_size=128, pack_blocks=True, sequence_parallel_size=4), world_size=16)
+    with pytest.raises(RecipeError, match="cannot be made on 4 processes"):
+        lint(recipe(tmp_path, global_batch_size=120, pack_blocks=True, sequence_parallel_size=4), world_size=16)
+
+
+def test_activation_offloading_passes_where_there_is_an_accelerator_and_trl_fails_where_there_is_none(tmp_path):
+    lint(recipe(tmp_path, activation_offloading=True), accelerator=True)
+    # why the rule exists: TRL 1.16 asks torch.accelerator for the device type, which is None on this machine
+    from trl.models import get_act_offloading_ctx_manager
+
+    from sft_recipes.loading import model_class_for
+
+    config = tiny_config("llama")
+    with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'type'"):
+        get_act_offloading_ctx_manager(model_class_for(config)._from_config(config))
 
 
 def test_all_problems_are_reported_together(tmp_path, monkeypatch):

@@ -19,8 +19,14 @@ from sft_recipes.loading import model_class_for
 from sft_recipes.architectures.towers import freeze_vision_tower
 from sft_recipes.loading import read_model_config
 from sft_recipes.model_math import GPUS, attention_flops_per_token, count_parameters, flops_per_token
-from sft_recipes.plan import GIB, MemoryEstimate, TrainingSetup, estimate_memory, estimate_step_time, format_plan, make_plan
+from sft_recipes.config import load_recipe
+from sft_recipes.plan import (
+    GIB, MemoryEstimate, TrainingSetup, activation_bytes_per_token, estimate_memory, estimate_step_time, format_plan,
+    make_plan, plan_recipe, read_accelerate_config,
+)
 from sft_recipes.tiny import REALWORLD_DIR, tiny_config
+
+from conftest import REPO_ROOT
 
 CONFIGS = REALWORLD_DIR / "model_configs"
 LLAMA_8B = CONFIGS / "meta-llama__Llama-3.1-8B.json"
@@ -237,6 +243,115 @@ def test_qwen_8k_blocks_do_not_fit_h100_with_fp32_master_weights(qwen_counts):
     config, counts = qwen_counts
 
     assert not fits(config, counts, qwen_seed_setup(8192, master=True))["H100"]
+
+
+# --------------------------------------------------------------------------------------------
+# Long blocks: sequence parallelism and activation offloading, on the shipped qwen27b recipe
+
+
+def qwen_recipe_plan(max_length: int, sp: int, offloading: bool = False):
+    """The qwen27b recipe on 8 GPUs with accelerate_configs/fsdp2_8gpu.yaml, as `--dry-run` plans it."""
+    recipe = load_recipe(REPO_ROOT / "recipes" / "qwen27b.yaml", {
+        "model_name_or_path": str(QWEN_27B), "max_length": max_length, "sequence_parallel_size": sp,
+        "activation_offloading": offloading}, planning=True)
+    return plan_recipe(recipe, read_accelerate_config(REPO_ROOT / "accelerate_configs" / "fsdp2_8gpu.yaml"), 8)
+
+
+def test_qwen_recipe_32k_blocks_fit_8_h100_from_sequence_parallel_size_4():
+    fits_h100 = {sp: qwen_recipe_plan(32768, sp).fits["H100"] for sp in (1, 2, 4)}
+
+    assert fits_h100 == {1: False, 2: False, 4: True}
+
+
+def test_qwen_recipe_32k_blocks_fit_8_h100_with_sequence_parallel_size_2_and_offloading():
+    with_offloading = qwen_recipe_plan(32768, 2, offloading=True)
+
+    assert with_offloading.fits["H100"]
+    # what left the GPU: 63 of the 64 checkpointed layer inputs of the rank's 16,384 tokens, bf16 x 5120
+    assert with_offloading.memory.activations_offloaded * GIB == 16384 * 63 * 2 * 5120
+
+
+def test_qwen_recipe_131k_blocks_fit_8_b300_without_sequence_parallelism_and_8_h100_need_sp_8_and_offloading():
+    assert qwen_recipe_plan(131072, 1).fits["B300"]
+    assert not qwen_recipe_plan(131072, 8).fits["H100"]
+    assert qwen_recipe_plan(131072, 8, offloading=True).fits["H100"]
+
+
+def test_qwen_recipe_262k_blocks_need_sequence_parallel_size_2_on_b300():
+    assert not qwen_recipe_plan(262144, 1).fits["B300"]
+    assert qwen_recipe_plan(262144, 2).fits["B300"]
+
+
+def test_sequence_parallelism_keeps_tokens_per_device_and_divides_blocks_per_step_by_the_groups():
+    sp1, sp4 = qwen_recipe_plan(32768, 1), qwen_recipe_plan(32768, 4)
+
+    assert (sp1.sequences_per_step, sp4.sequences_per_step) == (8, 2)  # 8 data-parallel groups -> 2
+    assert sp4.tokens_per_step == 2 * 32768
+    # a quarter of the tokens per device, at the same FLOPs per token (attention over the whole block)
+    assert sp4.flops_per_token == sp1.flops_per_token
+    assert sp4.seconds_per_step["H100"] == pytest.approx(sp1.seconds_per_step["H100"] / 4)
+    text = format_plan(sp4)
+    assert "1 seq/group x 32768 tokens x 1 accumulation x 2 groups = 2 sequences = 65,536 tokens" in text
+    assert "SP 4: 2 groups of 4 devices share each block, 8,192 tokens per device" in text
+
+
+def test_sequence_parallel_activations_per_held_token_add_the_out_projection_copy_and_replicated_kv_heads():
+    config = tiny_config("llama")  # 8 heads x 8, 2 kv heads, hidden 64, 2 layers, bf16: b = 2
+    q, dim, b = 8 * 8, 8, 2
+
+    def per_token(sp: int) -> float:
+        return activation_bytes_per_token(config, TrainingSetup(world_size=8, micro_batch_size=1, seq_len=64,
+                                                                sequence_parallel_size=sp), checkpointing=False)
+
+    assert per_token(2) - per_token(1) == 2 * b * q  # both layers: the out projection's input is its own tensor
+    # SP 4 > 2 kv heads: every rank keeps one replicated kv head (k and v) over the whole block
+    assert per_token(4) - per_token(1) == 2 * (b * q + 2 * b * dim * (4 * 1 - 2))
+
+
+def test_sequence_parallel_memory_holds_a_block_share_plus_one_layers_all_to_all_buffers():
+    config = tiny_config("llama", vocab_size=16)  # a small vocabulary: the peak is in a layer's backward
+    counts = count_parameters(config)
+    q, kv, b, tokens = 8 * 8, 2 * 8, 2, 1024
+
+    def memory(sp: int):
+        setup = TrainingSetup(world_size=4, micro_batch_size=2, seq_len=512, sequence_parallel_size=sp,
+                              loss_implementation="full_logits")
+        return estimate_memory(config, counts, setup, cuda_context_gib=0), setup
+
+    (sp1, _), (sp2, setup2) = memory(1), memory(2)
+
+    assert sp1.peak_at == sp2.peak_at == "layer backward"
+    assert sp1.all_to_all == 0
+    # send + receive of q, k, v and the output for the rank's 512 tokens
+    assert sp2.all_to_all * GIB == tokens / 2 * 2 * b * (2 * q + 2 * kv)
+    assert sp2.activations * GIB == tokens / 2 * activation_bytes_per_token(config, setup2, checkpointing=True)
+    assert sp2.activations < 0.6 * sp1.activations
+
+
+def test_offloading_leaves_one_layer_on_the_gpu_and_the_rest_on_the_host():
+    config = tiny_config("llama", num_hidden_layers=6, vocab_size=16)
+    counts = count_parameters(config)
+    hidden, b, tokens = 64, 2, 4096
+
+    def memory(offloading: bool):
+        setup = TrainingSetup(world_size=1, micro_batch_size=8, seq_len=512, activation_offloading=offloading,
+                              loss_implementation="full_logits")
+        return estimate_memory(config, counts, setup, cuda_context_gib=0)
+
+    kept, offloaded = memory(False), memory(True)
+
+    assert kept.peak_at == offloaded.peak_at == "layer backward"
+
+    assert offloaded.activations_offloaded * GIB == tokens * 5 * b * hidden  # 6 layer inputs, one brought back
+    assert kept.activations_offloaded == 0
+    assert (kept.activations - offloaded.activations) * GIB == tokens * 5 * b * hidden
+
+
+def test_bad_sequence_parallel_setups_name_the_fix():
+    with pytest.raises(ValueError, match="must divide the world size"):
+        TrainingSetup(world_size=8, micro_batch_size=1, seq_len=1024, sequence_parallel_size=3)
+    with pytest.raises(ValueError, match="block length"):
+        TrainingSetup(world_size=8, micro_batch_size=1, seq_len=1023, sequence_parallel_size=2)
 
 
 def test_llama_8b_at_4_x_1024_fits_16_h100():

@@ -144,6 +144,12 @@ class TrainingArguments(SFTConfig):
                   "[] = no samples."},
     )
     sample_max_new_tokens: int = field(default=64, metadata={"help": "Longest sample answer, in tokens."})
+    sequence_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Ranks that share each packed block (Ulysses sequence parallelism): each holds 1/N of its "
+                  "tokens and runs every token-mixing op over the full block for 1/N of the heads. Must divide the "
+                  "world size; needs pack_blocks."},
+    )
 
 
 RECIPE_DATACLASSES = (DataArguments, ModelArguments, TrainingArguments)

@@ -141,10 +141,77 @@ def batch_the_world_cannot_produce(recipe: Recipe, ctx: LintContext) -> str | No
     if (t.global_batch_size or t.global_batch_tokens) and "gradient_accumulation_steps" in recipe.values:
         return ("the recipe sets both a global batch and gradient_accumulation_steps; drop gradient_accumulation_steps "
                 "(it is derived from the global batch and the world size)")
-    try:
-        derive_gradient_accumulation(t, ctx.world_size)
+    if ctx.world_size % t.sequence_parallel_size:
+        return None  # sequence_parallel_size_not_dividing_the_world says so
+    try:  # a sequence-parallel group reads one stream of blocks
+        derive_gradient_accumulation(t, ctx.world_size // t.sequence_parallel_size)
     except ValueError as err:
         return str(err).rstrip(".")
+    return None
+
+
+def _sequence_parallel(recipe: Recipe) -> bool:
+    return recipe.training.sequence_parallel_size > 1
+
+
+def sequence_parallel_with_trl_packing(recipe: Recipe, ctx: LintContext) -> str | None:
+    t = recipe.training
+    if _sequence_parallel(recipe) and (t.packing or t.padding_free):
+        return ("sequence_parallel_size > 1 shards the project's packed blocks; TRL's own `packing`/`padding_free` "
+                "must be false (use `pack_blocks: true`)")
+    return None
+
+
+def sequence_parallel_without_block_packing(recipe: Recipe, ctx: LintContext) -> str | None:
+    if _sequence_parallel(recipe) and not recipe.data.pack_blocks:
+        return ("sequence_parallel_size > 1 splits packed blocks across ranks and needs `pack_blocks: true` "
+                "(or sequence_parallel_size: 1)")
+    return None
+
+
+def sequence_parallel_attention_implementation(recipe: Recipe, ctx: LintContext) -> str | None:
+    from sft_recipes.architectures.sequence_parallel import SUPPORTED_IMPLEMENTATIONS
+
+    implementation = recipe.model.attn_implementation or "sdpa"  # transformers' default
+    if _sequence_parallel(recipe) and implementation not in SUPPORTED_IMPLEMENTATIONS:
+        return (f"attn_implementation {implementation!r} cannot take the block's example boundaries under sequence "
+                f"parallelism; use one of {SUPPORTED_IMPLEMENTATIONS}")
+    return None
+
+
+def sequence_parallel_size_not_dividing_the_world(recipe: Recipe, ctx: LintContext) -> str | None:
+    sp = recipe.training.sequence_parallel_size
+    if sp < 1 or ctx.world_size % sp:
+        divisors = [n for n in range(1, ctx.world_size + 1) if ctx.world_size % n == 0]
+        return f"sequence_parallel_size={sp} must divide the world size {ctx.world_size}; use one of {divisors}"
+    return None
+
+
+def block_length_not_divisible_by_sequence_parallel_size(recipe: Recipe, ctx: LintContext) -> str | None:
+    sp, length = recipe.training.sequence_parallel_size, recipe.training.max_length
+    if _sequence_parallel(recipe) and length is not None and length % sp:
+        return (f"max_length={length} does not split into sequence_parallel_size={sp} equal chunks; use a multiple "
+                f"of {sp}, e.g. {length - length % sp}")
+    return None
+
+
+def sequence_parallel_size_the_heads_cannot_take(recipe: Recipe, ctx: LintContext) -> str | None:
+    from sft_recipes.architectures.sequence_parallel import check_sequence_parallel_size
+
+    config = ctx.model_config if _sequence_parallel(recipe) else None
+    if config is None:
+        return None
+    try:
+        check_sequence_parallel_size(config.get_text_config(), recipe.training.sequence_parallel_size)
+    except ValueError as err:
+        return str(err).rstrip(".")
+    return None
+
+
+def activation_offloading_without_accelerator(recipe: Recipe, ctx: LintContext) -> str | None:
+    # TRL's OffloadActivations asks torch.accelerator.current_accelerator().type, None on a CPU-only machine.
+    if recipe.training.activation_offloading and not ctx.has_accelerator:
+        return "activation_offloading moves activations from an accelerator to the host; set it false on CPU"
     return None
 
 
@@ -159,6 +226,13 @@ RULES = (
     bf16_without_hardware_support,
     mixed_precision_differs_from_launch,
     batch_the_world_cannot_produce,
+    sequence_parallel_with_trl_packing,
+    sequence_parallel_without_block_packing,
+    sequence_parallel_attention_implementation,
+    sequence_parallel_size_not_dividing_the_world,
+    block_length_not_divisible_by_sequence_parallel_size,
+    sequence_parallel_size_the_heads_cannot_take,
+    activation_offloading_without_accelerator,
 )
 
 

@@ -25,7 +25,14 @@ Memory model, per GPU, FSDP2 full shard over ``world_size`` ranks (bytes, report
 - reduce_buffers
               unsharded gradients of a unit in the compute dtype, plus their copy in the reduce
               dtype when it differs (FSDP2 casts before reduce-scatter).
-- activations see `activation_bytes_per_token`.
+- activations see `activation_bytes_per_token`. Per token the rank holds: with sequence parallelism
+              over N ranks (``sequence_parallel_size``) a rank holds 1/N of each block's tokens, and
+              inside the token-mixing ops its 1/N of the heads over the whole block, which is the same
+              bytes per held token (see `_layer_activations` for what SP adds). With activation
+              offloading (TRL's ``activation_offloading``) what autograd keeps between a layer's
+              forward and its backward is on the host instead (see `_held_bytes_per_token`).
+- all_to_all  sequence parallelism's exchange buffers of one layer: the send and receive copies of
+              every tensor it trades (see `_exchange_bytes_per_token`).
 - loss        the final norm and vocabulary buffers (see `_loss_buffer_bytes`), and a trainable
               LM head's unsharded gradient, held from the start of backward to the root's
               reduce-scatter.
@@ -85,6 +92,9 @@ FUSED_HEAD_VOCAB_TILE = 32768
 
 # flash-linear-attention's chunked gated delta rule keeps a chunk-local fp32 matrix per value head.
 GATED_DELTA_CHUNK = 64
+# TRL's OffloadActivations(max_fwd_stash_size=5): saved tensors still on the GPU while their copy to
+# the host runs, at most this many, during the forward.
+OFFLOAD_FORWARD_STASH = 5
 # Eager attention implementations whose softmax stays in the compute dtype; the others (llama,
 # qwen3, qwen3_5, mixtral, ...) take it in fp32 and cast back, keeping both.
 _EAGER_SOFTMAX_IN_COMPUTE_DTYPE = {"gpt_oss"}
@@ -113,11 +123,18 @@ class TrainingSetup:
     loss_implementation: LossImplementation = "fused_lm_head"  # TRL 1.16 SFTTrainer; "full_logits" = model(labels=...)
     dataset_sequences: int | None = None  # sequences (packed blocks) in one epoch, when known
     mfu: float = 0.4
+    sequence_parallel_size: int = 1  # ranks sharing each block (Ulysses): each holds seq_len / N of its tokens
+    activation_offloading: bool = False  # TRL's saved-tensor hooks: activations wait for backward on the host
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "micro_batch_size", "seq_len", "gradient_accumulation_steps"):
+        for name in ("world_size", "micro_batch_size", "seq_len", "gradient_accumulation_steps",
+                     "sequence_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}: fix the recipe.")
+        sp = self.sequence_parallel_size
+        if self.world_size % sp or self.seq_len % sp:
+            raise ValueError(f"sequence_parallel_size={sp} must divide the world size ({self.world_size}) and the "
+                             f"block length ({self.seq_len}): choose another size or max_length.")
         if not 0 < self.mfu <= 1:
             raise ValueError(f"mfu must be in (0, 1], got {self.mfu}: pass a fraction such as 0.4.")
         if self.loss_implementation not in ("fused_lm_head", "full_logits"):
@@ -126,6 +143,16 @@ class TrainingSetup:
     @property
     def tokens_per_micro_batch(self) -> int:
         return self.micro_batch_size * self.seq_len
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens of a micro-batch one rank holds: its 1/N of each block under sequence parallelism."""
+        return self.tokens_per_micro_batch // self.sequence_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Groups that read distinct blocks: the world over the sequence-parallel size."""
+        return self.world_size // self.sequence_parallel_size
 
 
 def _bytes(dtype: torch.dtype) -> int:
@@ -136,6 +163,7 @@ def _bytes(dtype: torch.dtype) -> int:
 class _LayerActivations:
     saved: float  # bytes per token autograd keeps for the layer's backward
     working: float  # bytes per token of gradient temporaries while that backward runs
+    exchange: float = 0.0  # bytes per token of sequence parallelism's all-to-all send + receive buffers
 
 
 def _layer_activations(text_config: PretrainedConfig, layer_type: str, setup: TrainingSetup) -> _LayerActivations:
@@ -158,6 +186,14 @@ def _layer_activations(text_config: PretrainedConfig, layer_type: str, setup: Tr
     Working set of the layer's backward: two gradients of the widest intermediate (2 b x the MLP
     width, top_k x I_expert for MoE, or the conv width), and under eager the scores' gradients
     (4 + b per score, 2 b for gpt_oss). Checked against CPU measurements in tests/test_plan.py.
+
+    All of it is per token the rank holds. Under sequence parallelism over N ranks the token-mixing
+    op keeps H/N heads for all L tokens of the block, i.e. H heads per held token, as without SP;
+    two things are added for softmax attention: the out projection's input (b q) is the inverse
+    all-to-all's own tensor, no longer the attention output the kernel keeps, and when N exceeds
+    the kv heads K every rank keeps one replicated kv head over the block (2 b d (N - K) more per
+    held token). The gated-delta layer's exchanged tensors are the ones listed above, held per head
+    over the block instead of per token over all heads: the same bytes.
     """
     b = _bytes(setup.compute_dtype)
     h = text_config.hidden_size
@@ -175,6 +211,9 @@ def _layer_activations(text_config: PretrainedConfig, layer_type: str, setup: Tr
         dim = head_dim(text_config)
         kv = getattr(text_config, "num_key_value_heads", None) or heads
         saved += b * (2 * heads * dim + 2 * kv * dim) + 4 * heads
+        sp = setup.sequence_parallel_size
+        if sp > 1:
+            saved += b * heads * dim + 2 * b * dim * (sp * _kv_heads_per_rank(kv, sp) - kv)
         widest = heads * dim
         if setup.attn_implementation == "eager":
             # fp32 softmax: its output and the cast kept, fp32 + compute-dtype gradients in backward;
@@ -191,7 +230,40 @@ def _layer_activations(text_config: PretrainedConfig, layer_type: str, setup: Tr
     else:
         saved += 4 * b * text_config.intermediate_size
         widest = max(widest, text_config.intermediate_size)
-    return _LayerActivations(saved=saved + scores_saved, working=2 * b * widest + scores_working)
+    return _LayerActivations(saved=saved + scores_saved, working=2 * b * widest + scores_working,
+                             exchange=_exchange_bytes_per_token(text_config, layer_type, setup))
+
+
+def _kv_heads_per_rank(kv_heads: int, sp: int) -> int:
+    """kv heads one rank attends with: an even share, or one replicated head when sp exceeds them."""
+    return max(kv_heads // sp, 1)
+
+
+def _exchange_bytes_per_token(text_config: PretrainedConfig, layer_type: str, setup: TrainingSetup) -> float:
+    """All-to-all buffers of one layer under sequence parallelism, per token the rank holds.
+
+    Each exchange (`sequence_parallel.seq_to_heads` / `heads_to_seq`) copies what it sends into
+    per-rank pieces and receives into as many, b bytes each way per element. Softmax attention
+    trades q, k, v and the output (k and v as N x the kv heads per rank: replicated heads are sent
+    to every rank that reads them); a gated-delta layer trades the conv input and output (conv
+    width each), the recurrence's q, k, v (conv width), its fp32 gate and b beta (one per value
+    head each) and its output (value width). Counted for the whole layer, as the backward's
+    gradient exchanges are the same sizes.
+    """
+    sp = setup.sequence_parallel_size
+    if sp == 1:
+        return 0.0
+    b = _bytes(setup.compute_dtype)
+    if layer_type == "linear_attention":
+        key_dim = text_config.linear_num_key_heads * text_config.linear_key_head_dim
+        value_dim = text_config.linear_num_value_heads * text_config.linear_value_head_dim
+        conv_dim = 2 * key_dim + value_dim
+        traded = b * (3 * conv_dim + value_dim) + (4 + b) * text_config.linear_num_value_heads
+    else:
+        heads, dim = text_config.num_attention_heads, head_dim(text_config)
+        kv = getattr(text_config, "num_key_value_heads", None) or heads
+        traded = b * dim * (2 * heads + 2 * sp * _kv_heads_per_rank(kv, sp))
+    return 2 * traded  # send and receive
 
 
 def _model_layer_activations(config: PretrainedConfig, setup: TrainingSetup) -> list[_LayerActivations]:
@@ -199,27 +271,47 @@ def _model_layer_activations(config: PretrainedConfig, setup: TrainingSetup) -> 
     return [_layer_activations(text_config, layer_type, setup) for layer_type in layer_types(text_config)]
 
 
-def _held_bytes_per_token(layers: list[_LayerActivations], hidden: int, b: int, checkpointing: bool) -> float:
-    """Kept from forward until each layer's backward: every layer's input under checkpointing."""
+def _held_bytes_per_token(layers: list[_LayerActivations], hidden: int, b: int, checkpointing: bool,
+                          offloading: bool = False) -> float:
+    """Kept on the GPU from forward until each layer's backward: every layer's input under
+    checkpointing, everything each layer saved without.
+
+    TRL's activation offloading (``OffloadActivations``, a ``saved_tensors_hooks``) moves every
+    saved tensor of 1 KiB or more to the host in forward and back when backward unpacks it. Under
+    non-reentrant checkpointing the checkpoint's own hooks take the layer's internals (recomputed,
+    never saved) and the offloading hooks see the layer inputs (saved by the checkpoint's input
+    saver outside them): those go to the host. On the GPU stays the one the running backward
+    brought back: one layer input with checkpointing, one layer's saved tensors without.
+    """
+    if offloading:
+        return b * hidden if checkpointing else max(layer.saved for layer in layers)
     return len(layers) * b * hidden if checkpointing else sum(layer.saved for layer in layers)
 
 
+def _offload_stash_bytes_per_token(layers: list[_LayerActivations], hidden: int, b: int, checkpointing: bool) -> float:
+    """Forward stash of TRL's offloading at the end of forward: up to five saved tensors whose copy
+    to the host is in flight (layer inputs with checkpointing; at most the last layer's saved without)."""
+    if checkpointing:
+        return min(OFFLOAD_FORWARD_STASH, len(layers)) * b * hidden
+    return layers[-1].saved
+
+
 def activation_bytes_per_token(config: PretrainedConfig, setup: TrainingSetup, checkpointing: bool) -> float:
-    """Activation bytes per token of the micro-batch while the largest layer runs its backward.
+    """Activation bytes per token the rank holds while the largest layer runs its backward.
 
     With checkpointing every decoder layer keeps only its input (b h) and that layer is recomputed
     (its saved activations plus its gradient working set); without, every layer keeps all it saved.
     """
     layers = _model_layer_activations(config, setup)
     hidden, b = text_config_of(config).hidden_size, _bytes(setup.compute_dtype)
-    recomputed = max(layer.saved + layer.working for layer in layers)
+    held = _held_bytes_per_token(layers, hidden, b, checkpointing, setup.activation_offloading)
     if checkpointing:
-        return _held_bytes_per_token(layers, hidden, b, True) + recomputed
-    return _held_bytes_per_token(layers, hidden, b, False) + max(layer.working for layer in layers)
+        return held + max(layer.saved + layer.working for layer in layers)
+    return held + max(layer.working for layer in layers)
 
 
 def _loss_buffer_bytes(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup) -> float:
-    """Buffers while the loss runs its backward, for one micro-batch of T tokens, vocab V: the final
+    """Buffers while the loss runs its backward, for the T tokens of a micro-batch the rank holds, vocab V: the final
     norm's activations and the vocabulary buffers.
 
     full_logits (transformers' ForCausalLMLoss): bf16 logits (b), their fp32 upcast kept as the
@@ -230,7 +322,7 @@ def _loss_buffer_bytes(config: PretrainedConfig, counts: ParamCounts, setup: Tra
     """
     text_config = text_config_of(config)
     b = _bytes(setup.compute_dtype)
-    tokens, vocab, hidden = setup.tokens_per_micro_batch, text_config.vocab_size, text_config.hidden_size
+    tokens, vocab, hidden = setup.tokens_per_rank, text_config.vocab_size, text_config.hidden_size
     final_norm = tokens * hidden * (4 + b)  # the last RMSNorm's fp32 input and output, as in a layer
     if setup.loss_implementation == "full_logits":
         return final_norm + tokens * vocab * (b + 12)
@@ -255,6 +347,7 @@ class MemoryEstimate:
     unsharded_params: float
     reduce_buffers: float
     activations: float
+    all_to_all: float
     loss: float
     lora_transient: float
     overhead: float
@@ -262,6 +355,7 @@ class MemoryEstimate:
     peak_at: str
     activation_bytes_per_token_checkpointed: float
     activation_bytes_per_token_full: float
+    activations_offloaded: float = 0.0  # GiB per GPU in the host's pinned memory (activation offloading)
 
     COMPONENTS = (
         "params",
@@ -270,6 +364,7 @@ class MemoryEstimate:
         "unsharded_params",
         "reduce_buffers",
         "activations",
+        "all_to_all",
         "loss",
         "lora_transient",
         "overhead",
@@ -297,11 +392,13 @@ def estimate_memory(
     # FSDP2 casts unsharded gradients to reduce_dtype into a second buffer before reduce-scatter
     gradient_b = compute_b + (reduce_b if reduce_b != compute_b else 0)
     text_config = text_config_of(config)
-    tokens, hidden = setup.tokens_per_micro_batch, text_config.hidden_size
-    checkpointing = setup.activation_checkpointing
+    tokens, hidden = setup.tokens_per_rank, text_config.hidden_size
+    checkpointing, offloading = setup.activation_checkpointing, setup.activation_offloading
 
     layers = _model_layer_activations(config, setup)
-    held = tokens * _held_bytes_per_token(layers, hidden, compute_b, checkpointing)
+    held = tokens * _held_bytes_per_token(layers, hidden, compute_b, checkpointing, offloading)
+    offloaded = tokens * _held_bytes_per_token(layers, hidden, compute_b, checkpointing) - held if offloading else 0
+    stash = tokens * _offload_stash_bytes_per_token(layers, hidden, compute_b, checkpointing) if offloading else 0
     per_token = {ckpt: activation_bytes_per_token(config, setup, ckpt) for ckpt in (True, False)}
     # The LM head's unsharded gradient lives from the start of backward until the root reduce-scatter.
     head_grad = compute_b * text_config.vocab_size * hidden if counts.output_head_trainable else 0
@@ -310,12 +407,13 @@ def estimate_memory(
 
     moments = {
         "loss backward": {
-            "activations": held,
+            "activations": held + stash,
             "loss": _loss_buffer_bytes(config, counts, setup) + head_grad,
             "lora_transient": merged_held,
         },
         "layer backward": {
             "activations": tokens * per_token[checkpointing],
+            "all_to_all": tokens * max(layer.exchange for layer in layers),
             "loss": head_grad,
             "reduce_buffers": counts.largest_unit_trainable * gradient_b,
             "lora_transient": merged_held + (merged if not checkpointing else 2 * merged),
@@ -330,6 +428,7 @@ def estimate_memory(
         "unsharded_params": (counts.root + 3 * counts.largest_unit) * compute_b,
         "reduce_buffers": 0.0,
         "activations": 0.0,
+        "all_to_all": 0.0,
         "loss": 0.0,
         "lora_transient": 0.0,
         **moments[peak_at],
@@ -343,6 +442,7 @@ def estimate_memory(
         peak_at=peak_at,
         activation_bytes_per_token_checkpointed=per_token[True],
         activation_bytes_per_token_full=per_token[False],
+        activations_offloaded=offloaded / GIB,
     )
 
 
@@ -356,11 +456,13 @@ def fit_table(memory: MemoryEstimate) -> dict[str, float]:
 
 
 def estimate_step_time(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, gpu: str) -> float:
-    """Seconds per optimizer step on ``gpu``: each device trains micro_batch x seq_len x accumulation
-    tokens at `flops_per_token`, at ``setup.mfu`` of the GPU's dense bf16 peak."""
+    """Seconds per optimizer step on ``gpu``: each device trains micro_batch x seq_len / sequence_parallel_size
+    x accumulation tokens at `flops_per_token` (whose attention term is over the whole block: under SP
+    a rank attends for its heads over all of it), at ``setup.mfu`` of the GPU's dense bf16 peak.
+    Activation offloading's host copies are taken as hidden behind compute (TRL runs them on a side stream)."""
     if gpu not in GPU_BY_NAME:
         raise ValueError(f"Unknown GPU {gpu!r}: use one of {sorted(GPU_BY_NAME)}.")
-    tokens_per_device = setup.tokens_per_micro_batch * setup.gradient_accumulation_steps
+    tokens_per_device = setup.tokens_per_rank * setup.gradient_accumulation_steps
     flops = tokens_per_device * flops_per_token(config, counts, setup.seq_len)
     return flops / (setup.mfu * GPU_BY_NAME[gpu].peak_bf16_flops)
 
@@ -383,7 +485,7 @@ class Plan:
     @property
     def sequences_per_step(self) -> int:
         s = self.setup
-        return s.micro_batch_size * s.gradient_accumulation_steps * s.world_size
+        return s.micro_batch_size * s.gradient_accumulation_steps * s.data_parallel_size
 
     @property
     def tokens_per_step(self) -> int:
@@ -410,11 +512,14 @@ class Plan:
             "total_params": self.counts.total,
             "trainable_params": self.counts.trainable,
             "world_size": self.setup.world_size,
+            "sequence_parallel_size": self.setup.sequence_parallel_size,
+            "data_parallel_size": self.setup.data_parallel_size,
             "sequences_per_step": self.sequences_per_step,
             "tokens_per_step": self.tokens_per_step,
             "steps_per_epoch": self.steps_per_epoch,
             "per_device_memory_gib": {name: memory[name] for name in (*MemoryEstimate.COMPONENTS, "total")},
             "memory_peak_at": self.memory.peak_at,
+            "activations_offloaded_gib": self.memory.activations_offloaded,
             "activation_bytes_per_token": {
                 "checkpointed": self.memory.activation_bytes_per_token_checkpointed,
                 "full": self.memory.activation_bytes_per_token_full,
@@ -462,9 +567,12 @@ def format_plan(plan: Plan) -> str:
     """The plan as a table a person reads before launching: every factor behind every figure."""
     s, c, m = plan.setup, plan.counts, plan.memory
     trainable_dtype = "float32" if s.fp32_master_weights else _dtype_name(s.weights_dtype)
-    tokens_per_device = s.tokens_per_micro_batch * s.gradient_accumulation_steps
+    tokens_per_device = s.tokens_per_rank * s.gradient_accumulation_steps
     head = f"LM head {c.output_head:,}" if c.output_head else "LM head tied"
     loss = {"fused_lm_head": "TRL's chunked LM head, no full logits", "full_logits": "full logits, fp32 loss"}
+    sp = s.sequence_parallel_size
+    offloaded = (f"; offloaded to host memory {m.activations_offloaded:,.2f} GiB per device"
+                 if s.activation_offloading else "; not offloaded")
 
     def row(label: str, text: str) -> str:
         return f"  {label:<18}{text}"
@@ -476,9 +584,13 @@ def format_plan(plan: Plan) -> str:
         row("", f"embedding {c.embedding:,}, {head}, {len(c.decoder_layers)} decoder layers, "
             f"largest FSDP unit {c.largest_unit:,}, root {c.root:,}"),
         *(row("LoRA rank", f"{target}: {', '.join(map(str, ranks))}") for target, ranks in c.lora_ranks.items()),
-        row("batch", f"{s.micro_batch_size} seq/device x {s.seq_len} tokens x {s.gradient_accumulation_steps} "
-            f"accumulation x {s.world_size} devices = {plan.sequences_per_step:,} sequences = "
+        row("batch", f"{s.micro_batch_size} seq/{'device' if sp == 1 else 'group'} x {s.seq_len} tokens x "
+            f"{s.gradient_accumulation_steps} accumulation x {s.data_parallel_size} "
+            f"{'devices' if sp == 1 else 'groups'} = {plan.sequences_per_step:,} sequences = "
             f"{plan.tokens_per_step:,} tokens per optimizer step"),
+        row("sequence parallel", "off (SP 1: every device holds whole blocks)" if sp == 1 else
+            f"SP {sp}: {s.data_parallel_size} groups of {sp} devices share each block, {s.tokens_per_rank:,} "
+            f"tokens per device, all-to-all around every token-mixing op"),
     ]
     if plan.steps_per_epoch is not None:
         lines.append(row("steps per epoch", f"{s.dataset_sequences:,} sequences / {plan.sequences_per_step:,} "
@@ -490,7 +602,7 @@ def format_plan(plan: Plan) -> str:
         row("activations", f"{m.activation_bytes_per_token_checkpointed:,.0f} B/token with checkpointing, "
             f"{m.activation_bytes_per_token_full:,.0f} B/token without; this run "
             f"{'checkpoints' if s.activation_checkpointing else 'does not checkpoint'}, "
-            f"{s.attn_implementation} attention"),
+            f"{s.attn_implementation} attention{offloaded}"),
         row("loss", f"{s.loss_implementation} ({loss[s.loss_implementation]})"),
         f"  memory per GPU (GiB), at the peak: {m.peak_at}",
         *(f"    {name:<18}{getattr(m, name):>9.2f}" for name in (*MemoryEstimate.COMPONENTS, "total")),
@@ -594,7 +706,8 @@ def training_setup(recipe: Recipe, accelerate_config: dict | None, world_size: i
     fsdp = (accelerate_config or {}).get("fsdp_config") or {}
     mixed_precision = (accelerate_config or {}).get("mixed_precision", "bf16" if t.bf16 else "no")
     compute = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
-    accumulation, _ = derive_gradient_accumulation(t, world_size)
+    # a sequence-parallel group reads one stream of blocks: the batch is made by its data-parallel groups
+    accumulation, _ = derive_gradient_accumulation(t, world_size // t.sequence_parallel_size)
     return TrainingSetup(
         world_size=world_size,
         micro_batch_size=t.per_device_train_batch_size,
@@ -607,6 +720,8 @@ def training_setup(recipe: Recipe, accelerate_config: dict | None, world_size: i
         reduce_dtype=DTYPES[t.fsdp_reduce_dtype] if mixed_precision != "no" else torch.float32,
         fp32_master_weights=mixed_precision != "no" or m.dtype == "float32",
         dataset_sequences=dataset_sequences,
+        sequence_parallel_size=t.sequence_parallel_size,
+        activation_offloading=t.activation_offloading,
     )
 
 
