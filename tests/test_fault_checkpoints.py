@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -124,8 +125,9 @@ def test_rotation_deletes_only_this_recipes_oldest_complete_checkpoints(tmp_path
 def test_a_packed_stream_resumes_only_with_the_same_readers(tmp_path, monkeypatch):
     qwen = REPO_ROOT / "recipes" / "tiny" / "qwen27b.yaml"
     two_workers = recipe_identity(load_recipe(qwen, []))
-    assert two_workers["packed_stream_readers (ranks x dataloader_num_workers)"] == 2  # one process here, 2 workers
+    readers = "packed_stream_readers (sequence-parallel groups x dataloader_num_workers)"
+    assert two_workers[readers] == 2  # one process here, 2 workers
     make_checkpoint(tmp_path, 4, two_workers, 100.0, monkeypatch)
-    with pytest.raises(ValueError, match=r"packed_stream_readers \(ranks x dataloader_num_workers\): 2 there, 1 here"):
+    with pytest.raises(ValueError, match=re.escape(f"{readers}: 2 there, 1 here")):
         protect_output_dir(load_recipe(qwen, ["--dataloader_num_workers", "0"]), args_for(tmp_path))
     assert protect_output_dir(load_recipe(qwen, []), args_for(tmp_path)) == []  # same readers: resumes

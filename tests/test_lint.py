@@ -112,6 +112,16 @@ def test_global_batch_derivation_for_1_2_4_nodes(tmp_path, nodes, accumulation):
                           f"x {accumulation} accumulation steps (derived)")
 
 
+def test_global_batch_derivation_counts_sequence_parallel_groups(tmp_path):
+    rec = recipe(tmp_path, global_batch_size=16, per_device_train_batch_size=1, sequence_parallel_size=4)
+    steps, derivation = derive_gradient_accumulation(rec.training, world_size=16)  # 4 groups share 16 ranks
+    assert steps == 4
+    assert derivation == ("global batch 16 sequences = 1 per device x 4 sequence-parallel groups (16 processes / "
+                          "sequence_parallel_size 4) x 4 accumulation steps (derived)")
+    with pytest.raises(ValueError, match="sequence_parallel_size=3 must be a positive divisor of the world size 16"):
+        derive_gradient_accumulation(recipe(tmp_path, sequence_parallel_size=3).training, world_size=16)
+
+
 def test_global_batch_in_tokens(tmp_path):
     rec = recipe(tmp_path, global_batch_tokens=8 * 32768, max_length=32768, per_device_train_batch_size=1)
     assert derive_gradient_accumulation(rec.training, world_size=8)[0] == 1

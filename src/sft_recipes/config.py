@@ -136,6 +136,12 @@ class TrainingArguments(SFTConfig):
         metadata={"help": "Module classes FSDP2 shards as one unit each. Default: the accelerate config's "
                   "fsdp_transformer_layer_cls_to_wrap when set, else the model's _no_split_modules (GptOssDecoderLayer)."},
     )
+    sequence_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Ranks that share each packed block (Ulysses sequence parallelism): each holds 1/N of its "
+                  "tokens and runs every token-mixing op over the full block for 1/N of the heads. Must divide the "
+                  "world size; needs pack_blocks."},
+    )
 
 
 RECIPE_DATACLASSES = (DataArguments, ModelArguments, TrainingArguments)

@@ -1,5 +1,5 @@
-"""SFTTrainer plus what it lacks: packed streams (a rank-local dataloader and its stop signal), live
-throughput in every log, and LoRA checkpoints loadable as PEFT adapters."""
+"""SFTTrainer plus what it lacks: packed streams (a rank-local dataloader and its stop signal), sequence
+parallelism over their blocks, live throughput in every log, and LoRA checkpoints loadable as PEFT adapters."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from torch.utils.data import DataLoader
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import SFTTrainer
 
+from sft_recipes.architectures.sequence_parallel import SequenceParallelLayout
 from sft_recipes.data.blocks import RankLocalBlockStream, StopWhenAnyRankExhausted, StreamStats
+from sft_recipes.data.sequence_shards import shard_block
 from sft_recipes.export import export_adapter
 from sft_recipes.fault.uneven_shards import EndOfDataTogetherMixin
 from sft_recipes.metrics import ThroughputMeter
@@ -31,13 +33,24 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
     With `adapter_checkpoints`, every checkpoint also holds the LoRA adapter in PEFT format
     (`checkpoint-N/adapter/`): FSDP2 checkpoints keep it only as DCP shards (for resume). It is
     written inside the save, so the completion marker (an `on_save` callback) comes after it.
+
+    With `sequence_parallel` (the rank's `SequenceParallelLayout`), the ranks of a group read the
+    same blocks and each trains on its chunk (`shard_block`, labels shifted on the whole block).
+    TRL's loss then needs nothing else: its fused LM head scores the chunk's pre-shifted
+    `shift_labels` (logits for those positions only, in tiles), divides the summed token loss by
+    the step's supervised-token count (`num_items_in_batch`, counted by transformers over every
+    rank's whole blocks: `get_sp_size` divides out the N copies of each block) and multiplies it
+    by the world size, which FSDP2's gradient average divides back out: the gradient of the mean
+    over the global batch's supervised tokens. The logged loss (mean over ranks) is that mean.
     """
 
     def __init__(self, *args, block_stream: RankLocalBlockStream | None = None,
-                 throughput: ThroughputMeter | None = None, adapter_checkpoints: bool = False, **kwargs):
+                 throughput: ThroughputMeter | None = None, adapter_checkpoints: bool = False,
+                 sequence_parallel: SequenceParallelLayout | None = None, **kwargs):
         self.throughput = throughput
         self.block_stream = block_stream
         self.adapter_checkpoints = adapter_checkpoints
+        self.sequence_parallel = sequence_parallel
         self.exhaustion = None
         self.stream_stats = StreamStats()  # what this rank trained on from the block stream
         if self.block_stream is not None:
@@ -96,7 +109,14 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
                 self.throughput.observe(inputs)
         if exhausted is not None and bool(exhausted):
             self.exhaustion.exhausted = True
+        if self.sequence_parallel is not None:
+            inputs = shard_block(inputs, self.sequence_parallel.sp_rank, self.sequence_parallel.sp_size)
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def get_sp_size(self) -> int:
+        """Ranks holding the same sequences: transformers divides them out of the global batch size and of the
+        step's supervised-token count."""
+        return self.sequence_parallel.sp_size if self.sequence_parallel is not None else super().get_sp_size()
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)

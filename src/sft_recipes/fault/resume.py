@@ -39,11 +39,11 @@ def recipe_identity(recipe) -> dict[str, Any]:
     identity = {key: getattr(next(owner for owner in owners if hasattr(owner, key)), key)
                 for key in sorted(recipe.values) if key not in RESUME_SAFE_KEYS}
     if recipe.data.pack_blocks:
-        # Each (rank, dataloader worker) streams its own shard: resumed with another count of readers, the
-        # skipped batches would be other data, so the run would re-read some and never see the rest.
+        # Each (sequence-parallel group, dataloader worker) streams its own shard: resumed with another count
+        # of readers, the skipped batches would be other data, so the run would re-read some and never see the rest.
         training = recipe.training
-        identity["packed_stream_readers (ranks x dataloader_num_workers)"] = (
-            training.world_size * max(1, training.dataloader_num_workers))
+        identity["packed_stream_readers (sequence-parallel groups x dataloader_num_workers)"] = (
+            training.world_size // training.sequence_parallel_size * max(1, training.dataloader_num_workers))
     return identity
 
 

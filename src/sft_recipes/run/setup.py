@@ -14,6 +14,11 @@ from sft_recipes.fault.collective_timeout import bound_collective_waits
 from sft_recipes.fault.resume import protect_output_dir
 from sft_recipes.lint import LintContext, lint_recipe
 from sft_recipes.loading import ModelSource
+from sft_recipes.run.sequence_parallel import (
+    SequenceParallel,
+    refuse_unworkable_sequence_parallel,
+    start_sequence_parallel,
+)
 
 logger = logging.getLogger("sft")
 
@@ -25,6 +30,14 @@ class Run:
     recipe: Recipe
     source: ModelSource  # the model's config, read once at its revision, and where its files are
     batch_derivation: str  # how gradient accumulation follows from the global batch, every factor shown
+    sequence_parallel: SequenceParallel | None = None  # this rank's group; None: every rank has its own blocks
+
+    @property
+    def data_reader(self) -> tuple[int, int]:
+        """(this rank's data reader, number of readers): the ranks of a sequence-parallel group share one."""
+        if self.sequence_parallel is not None:
+            return self.sequence_parallel.layout.dp_rank, self.sequence_parallel.layout.dp_size
+        return self.recipe.training.process_index, self.recipe.training.world_size
 
     @property
     def is_main(self) -> bool:
@@ -55,6 +68,7 @@ def start_run(recipe: Recipe) -> Run:
     CPU too, bound every collective wait, keep output_dir to one recipe, and have the model's files ready."""
     source = ModelSource(recipe.model)
     lint_recipe(recipe, LintContext.from_environment(lambda: source.config))
+    refuse_unworkable_sequence_parallel(recipe, launched_world_size(), source.config)
     training = recipe.training
     training.gradient_accumulation_steps, derivation = derive_gradient_accumulation(training, launched_world_size())
     enable_cpu_fsdp()  # before the Trainer creates its Accelerator: FSDP2 on CPU too
@@ -62,7 +76,8 @@ def start_run(recipe: Recipe) -> Run:
     protect_output_dir(recipe, training)  # never mix two recipes' checkpoints
     with training.main_process_first(local=False, desc="model files"):
         source.ensure_files()  # a tiny stand-in is built once, by the main process
-    run = Run(recipe=recipe, source=source, batch_derivation=derivation)
+    run = Run(recipe=recipe, source=source, batch_derivation=derivation,
+              sequence_parallel=start_sequence_parallel(recipe))  # the process group exists by now
     if run.is_main:
         logger.info("recipe %s -> output_dir %s; %s", recipe.source, training.output_dir, derivation)
     return run
