@@ -1,12 +1,23 @@
 """Sequence parallelism in real runs: what is refused, and `accelerate launch` with 2 CPU processes and
-`--sequence_parallel_size 2` training like one process, for the tiny Llama, Qwen3.5 and gpt-oss twins."""
+`--sequence_parallel_size 2` training like one process, for the tiny Llama, Qwen3.5 and gpt-oss twins.
+
+One process reads the same packed blocks as one 2-rank group (one reader per group), so its losses
+are the reference, step for step. The Qwen3.5 case is also preempted (SIGTERM to rank 1) and
+resumed: its later losses are the one-process run's too.
+"""
 
 from __future__ import annotations
+
+import json
+import os
+import re
+import signal
 
 import pytest
 import yaml
 
-from conftest import REPO_ROOT, launch_sft, read_summary
+from conftest import REPO_ROOT, assert_resume_reproduces, launch_sft, read_summary
+from fault_helpers import complete, finish, start_run, wait_for, worker_pid
 from sft_recipes.config import load_recipe
 from sft_recipes.errors import RecipeError
 from sft_recipes.run.sequence_parallel import refuse_unworkable_sequence_parallel
@@ -42,3 +53,61 @@ def test_workable_sequence_parallel_passes(tmp_path):
     refuse_unworkable_sequence_parallel(sp_recipe(tmp_path), 4, tiny_config("llama"))
     refuse_unworkable_sequence_parallel(sp_recipe(tmp_path, pack_blocks=False, sequence_parallel_size=1), 3,
                                         tiny_config("llama"))
+
+
+STEPS = ("--max_steps", "3", "--logging_steps", "1", "--report_to", "none", "--save_steps", "1000")
+
+
+def _launch_pair(tmp_path, recipe, *overrides):
+    """The recipe on 1 process, and on 2 processes sharing each block: (their summaries, the SP run's output)."""
+    one, shared = tmp_path / "one", tmp_path / "sp2"
+    launch_sft(recipe, *overrides, *STEPS, "--output_dir", str(one), nproc=1)
+    result = launch_sft(recipe, *overrides, *STEPS, "--sequence_parallel_size", "2", "--output_dir", str(shared))
+    return read_summary(one), read_summary(shared), result.stdout + result.stderr
+
+
+def assert_same_losses(reference: dict[str, float], losses: dict[str, float]) -> None:
+    assert losses and set(losses) <= set(reference)
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step], abs=1e-4), step
+
+
+@pytest.mark.fsdp
+@pytest.mark.parametrize("twin", ["llama8b", "gptoss120b"])
+def test_two_ranks_sharing_each_block_train_like_one_process(tmp_path, twin):
+    one, shared, output = _launch_pair(tmp_path, TINY / f"{twin}.yaml", *PACKED_CHAT)
+    assert "1 sequence-parallel groups (2 processes / sequence_parallel_size 2)" in output
+    max_length = {"llama8b": 256, "gptoss120b": 512}[twin]
+    for rank, tokens in ((0, f"0-{max_length // 2 - 1}"), (1, f"{max_length // 2}-{max_length - 1}")):
+        assert f"rank {rank} holds tokens {tokens} of each {max_length}-token block of reader 0 of 1" in output
+    assert list(shared["losses"]) == ["1", "2", "3"]
+    assert_same_losses(one["losses"], shared["losses"])
+
+
+PREEMPTED = re.compile(r"\[preempted\] stopped at step (\d+) of 6")
+
+
+@pytest.mark.fsdp
+def test_preempted_qwen_run_under_sequence_parallelism_resumes_exactly(tmp_path):
+    """Qwen3.5 (gated-delta layers, 2 dataloader workers per reader): first losses and, after a SIGTERM and
+    a resume, the later ones equal one process's."""
+    qwen = TINY / "qwen27b.yaml"
+    common = ("--max_steps", "6", "--logging_steps", "1", "--report_to", "none", "--save_steps", "3")
+    reference = tmp_path / "one"
+    launch_sft(qwen, *common, "--output_dir", str(reference), nproc=1)
+    out = tmp_path / "sp2"
+    sp_run = (*common, "--sequence_parallel_size", "2", "--output_dir", str(out))
+    run = start_run(*sp_run, recipe=qwen, env={"FAULT_SLOW_STEP_SECONDS": "0.5"})
+    wait_for(lambda: complete(out / "checkpoint-3"), run, "the first checkpoint")
+    os.kill(worker_pid(run, 1), signal.SIGTERM)
+    preempted = finish(run).output
+    match = PREEMPTED.search(preempted)
+    assert match, preempted[-4000:]
+    stop = int(match.group(1))
+    assert 3 <= stop < 6
+    state = json.loads((out / f"checkpoint-{stop}" / "trainer_state.json").read_text())
+    before = {str(entry["step"]): entry["loss"] for entry in state["log_history"] if "loss" in entry}
+    assert list(before)[:3] == ["1", "2", "3"]
+    assert_same_losses(read_summary(reference)["losses"], before)
+    launch_sft(qwen, *sp_run)
+    assert_resume_reproduces(reference, out, stop, atol=1e-4)

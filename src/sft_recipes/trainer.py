@@ -92,6 +92,12 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
     def train(self, *args, **kwargs):
         if self.throughput is not None:
             self.throughput.restart()  # model loading and preparation are not training time
+        if self.sequence_parallel is not None:
+            layout, block = self.sequence_parallel, self.args.max_length
+            chunk = block // layout.sp_size
+            logger.info("[sequence parallel] rank %d holds tokens %d-%d of each %d-token block of reader %d of %d",
+                        self.args.process_index, layout.sp_rank * chunk, (layout.sp_rank + 1) * chunk - 1, block,
+                        layout.dp_rank, layout.dp_size)
         result = super().train(*args, **kwargs)
         if self.block_stream is not None:  # each rank trained on its own shard
             logger.info("[data] rank %d trained on %s", self.args.process_index, self.stream_stats.describe())
