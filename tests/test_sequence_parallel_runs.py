@@ -42,6 +42,7 @@ def sp_recipe(tmp_path, **changes):
     ({}, 3, "llama", r"must divide the world size 3: choose one of \[1, 3\]"),
     ({"max_length": 255}, 2, "llama", "max_length=255 is not a multiple of 2"),
     ({"attn_implementation": "flex_attention"}, 2, "llama", "not attn_implementation 'flex_attention'"),
+    ({"average_tokens_across_devices": False}, 2, "llama", "leave average_tokens_across_devices at true"),
     ({"sequence_parallel_size": 8}, 8, "qwen3_5", "does not split this model"),
 ])
 def test_unworkable_sequence_parallel_is_refused_with_its_fix(tmp_path, changes, world_size, model_type, expected):

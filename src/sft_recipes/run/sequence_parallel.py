@@ -52,6 +52,9 @@ def sequence_parallel_problems(recipe: Recipe, world_size: int, model_config) ->
     if implementation not in SUPPORTED_IMPLEMENTATIONS:
         problems.append(f"sequence parallelism runs attention with the block's boundaries in "
                         f"{', '.join(SUPPORTED_IMPLEMENTATIONS)}, not attn_implementation {implementation!r}")
+    if not recipe.training.average_tokens_across_devices:
+        problems.append("sequence parallelism divides each rank's chunk loss by the step's supervised tokens over "
+                        "all ranks: leave average_tokens_across_devices at true")
     try:
         check_sequence_parallel_size(model_config.get_text_config(), size)
     except ValueError as err:
