@@ -7,12 +7,13 @@ import logging
 from pathlib import Path
 
 import datasets
+import torch
 from torch.utils.data import DataLoader
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import SFTTrainer
 
 from sft_recipes.architectures.sequence_parallel import SequenceParallelLayout
-from sft_recipes.data.blocks import RankLocalBlockStream, StopWhenAnyRankExhausted, StreamStats
+from sft_recipes.data.blocks import IGNORE_INDEX, RankLocalBlockStream, StopWhenAnyRankExhausted, StreamStats
 from sft_recipes.data.sequence_shards import shard_block
 from sft_recipes.export import export_adapter
 from sft_recipes.fault.uneven_shards import EndOfDataTogetherMixin
@@ -38,10 +39,12 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
     same blocks and each trains on its chunk (`shard_block`, labels shifted on the whole block).
     TRL's loss then needs nothing else: its fused LM head scores the chunk's pre-shifted
     `shift_labels` (logits for those positions only, in tiles), divides the summed token loss by
-    the step's supervised-token count (`num_items_in_batch`, counted by transformers over every
-    rank's whole blocks: `get_sp_size` divides out the N copies of each block) and multiplies it
-    by the world size, which FSDP2's gradient average divides back out: the gradient of the mean
-    over the global batch's supervised tokens. The logged loss (mean over ranks) is that mean.
+    the step's supervised-token count (`num_items_in_batch`, always counted here, over every
+    rank's whole blocks divided by the N copies of each; transformers counts it only for models
+    that take loss kwargs, not e.g. Qwen3.5's VLM class) and multiplies it by the world size,
+    which FSDP2's gradient average divides back out: the gradient of the mean over the global
+    batch's supervised tokens, with no further division by the accumulation steps. The logged
+    loss (mean over ranks) is that mean.
     """
 
     def __init__(self, *args, block_stream: RankLocalBlockStream | None = None,
@@ -51,6 +54,8 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
         self.block_stream = block_stream
         self.adapter_checkpoints = adapter_checkpoints
         self.sequence_parallel = sequence_parallel
+        if sequence_parallel is not None:
+            self.loss_is_scaled_for_ga = True  # by num_items_in_batch, which covers the accumulation steps
         self.exhaustion = None
         self.stream_stats = StreamStats()  # what this rank trained on from the block stream
         if self.block_stream is not None:
@@ -120,9 +125,16 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
     def get_sp_size(self) -> int:
-        """Ranks holding the same sequences: transformers divides them out of the global batch size and of the
-        step's supervised-token count."""
+        """Ranks holding the same sequences: transformers divides them out of the global batch size."""
         return self.sequence_parallel.sp_size if self.sequence_parallel is not None else super().get_sp_size()
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        if self.sequence_parallel is None:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        # Next-token targets of the whole blocks (labels[1:] is what shift_labels keeps), over every rank.
+        local = sum(int((batch["labels"][..., 1:] != IGNORE_INDEX).sum()) for batch in batch_samples)
+        every_rank = self.accelerator.gather(torch.tensor(local, device=device)).sum()
+        return every_rank / self.sequence_parallel.sp_size  # each block was counted by each rank of its group
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
