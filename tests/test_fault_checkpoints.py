@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -124,12 +125,14 @@ def test_rotation_deletes_only_this_recipes_oldest_complete_checkpoints(tmp_path
 def test_a_packed_stream_resumes_only_with_the_same_readers(tmp_path, monkeypatch):
     qwen = REPO_ROOT / "recipes" / "tiny" / "qwen27b.yaml"
     two_workers = recipe_identity(load_recipe(qwen, []))
-    assert two_workers["packed_stream_readers (ranks x dataloader_num_workers)"] == 2  # one process here, 2 workers
+    readers = "packed_stream_readers (sequence-parallel groups x dataloader_num_workers)"
+    assert two_workers[readers] == 2  # one process here, 2 workers
     make_checkpoint(tmp_path, 4, two_workers, 100.0, monkeypatch)
     with pytest.raises(ValueError) as error:
         protect_output_dir(load_recipe(qwen, ["--dataloader_num_workers", "0"]), args_for(tmp_path))
-    assert str(error.value).startswith(f"{tmp_path}/checkpoint-4 was written by 2 packed-stream readers (processes x "
-                                       "dataloader workers), this run has 1.")
+    assert str(error.value).startswith(f"{tmp_path}/checkpoint-4 was written by 2 packed-stream readers (groups x "
+                                       "dataloader workers; a group is one process, or sequence_parallel_size "
+                                       "processes), this run has 1.")
     assert "i.e. 1 x 2, 2 x 1 (dataloader_num_workers 0 counts as 1)" in str(error.value)
     assert protect_output_dir(load_recipe(qwen, []), args_for(tmp_path)) == []  # same readers: resumes
     two_processes_one_worker = load_recipe(qwen, ["--dataloader_num_workers", "1"])

@@ -80,6 +80,9 @@ CASES = {
     "sequence_parallel_size_the_heads_cannot_take": (  # tiny qwen3_5: 6 query heads / 1 kv head
         {"sequence_parallel_size": 4, "pack_blocks": True}, {"world_size": 4, "model_config": tiny_config("qwen3_5")},
         {}, "sequence_parallel_size=4 does not split this model .* Sizes that work: \\[1, 2\\]"),
+    "sequence_parallel_without_global_token_count": (
+        {"sequence_parallel_size": 2, "pack_blocks": True, "average_tokens_across_devices": False}, {"world_size": 2},
+        {}, "leave average_tokens_across_devices at true"),
     "activation_offloading_without_accelerator": (
         {"activation_offloading": True}, {}, {}, "set it false on CPU"),
 }
@@ -151,6 +154,16 @@ def test_global_batch_derivation_for_1_2_4_nodes(tmp_path, nodes, accumulation):
     assert steps == accumulation
     assert derivation == (f"global batch 128 sequences = 4 per device x {8 * nodes} processes "
                           f"x {accumulation} accumulation steps (derived)")
+
+
+def test_global_batch_derivation_counts_sequence_parallel_groups(tmp_path):
+    rec = recipe(tmp_path, global_batch_size=16, per_device_train_batch_size=1, sequence_parallel_size=4)
+    steps, derivation = derive_gradient_accumulation(rec.training, world_size=16)  # 4 groups share 16 ranks
+    assert steps == 4
+    assert derivation == ("global batch 16 sequences = 1 per device x 4 sequence-parallel groups (16 processes / "
+                          "sequence_parallel_size 4) x 4 accumulation steps (derived)")
+    with pytest.raises(ValueError, match="sequence_parallel_size=3 must be a positive divisor of the world size 16"):
+        derive_gradient_accumulation(recipe(tmp_path, sequence_parallel_size=3).training, world_size=16)
 
 
 def test_global_batch_in_tokens(tmp_path):

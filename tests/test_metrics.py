@@ -36,3 +36,17 @@ def test_mfu_uses_the_planner_flops_and_the_peak(monkeypatch):
     assert report["tokens_per_second_per_device"] == pytest.approx(4.0, rel=0.01)
     assert report["mfu"] == pytest.approx(4.0 * flops_per_token(config, counts, 4.0) / peak, rel=0.01)
     assert meter.tokens == 0  # the interval restarts after each report
+
+
+def test_a_rank_sharing_blocks_counts_its_share_of_tokens_and_attention(monkeypatch):
+    """Sequence parallelism over 2 ranks: each computes half the block's tokens and half its attention."""
+    config = tiny_config("llama")
+    counts = count_parameters(config)
+    meter = ThroughputMeter(config, counts, torch.device("cpu"), sequence_parallel_size=2)
+    meter.peak_flops = 1e6
+    meter.count(8, 4**2 + 4**2)  # one 8-token block of two 4-token documents
+    assert (meter.tokens, meter.squared_lengths) == (4, 16)
+    meter.started = time.perf_counter() - 2.0
+    report = meter.report()
+    assert report["tokens_per_second_per_device"] == pytest.approx(2.0, rel=0.01)
+    assert report["mfu"] == pytest.approx(2.0 * flops_per_token(config, counts, 4.0) / 1e6, rel=0.01)

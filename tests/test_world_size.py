@@ -90,9 +90,10 @@ def test_fewer_rows_than_one_global_batch_is_refused():
 def test_the_refusal_names_every_layout_with_the_same_number_of_readers():
     assert reader_layouts(4) == "1 x 4, 2 x 2, 4 x 1"
     message = readers_refusal({READERS_KEY: 4}, {READERS_KEY: 2}, "checkpoint-6")
-    assert message.startswith("checkpoint-6 was written by 4 packed-stream readers (processes x dataloader workers), "
+    assert message.startswith("checkpoint-6 was written by 4 packed-stream readers (groups x dataloader workers; a "
+                              "group is one process, or sequence_parallel_size processes), "
                               "this run has 2.")
-    assert "Resume with processes x max(1, dataloader_num_workers) = 4, i.e. 1 x 4, 2 x 2, 4 x 1" in message
+    assert "Resume with groups x max(1, dataloader_num_workers) = 4, i.e. 1 x 4, 2 x 2, 4 x 1" in message
     assert readers_refusal({READERS_KEY: 4}, {READERS_KEY: 4}, "checkpoint-6") is None
     assert readers_refusal({}, {}, "checkpoint-6") is None  # map-style data: no readers
 

@@ -143,8 +143,8 @@ def batch_the_world_cannot_produce(recipe: Recipe, ctx: LintContext) -> str | No
                 "(it is derived from the global batch and the world size)")
     if ctx.world_size % t.sequence_parallel_size:
         return None  # sequence_parallel_size_not_dividing_the_world says so
-    try:  # a sequence-parallel group reads one stream of blocks
-        derive_gradient_accumulation(t, ctx.world_size // t.sequence_parallel_size)
+    try:
+        derive_gradient_accumulation(t, ctx.world_size)
     except ValueError as err:
         return str(err).rstrip(".")
     return None
@@ -208,6 +208,13 @@ def sequence_parallel_size_the_heads_cannot_take(recipe: Recipe, ctx: LintContex
     return None
 
 
+def sequence_parallel_without_global_token_count(recipe: Recipe, ctx: LintContext) -> str | None:
+    if _sequence_parallel(recipe) and not recipe.training.average_tokens_across_devices:
+        return ("sequence parallelism divides each rank's chunk loss by the step's supervised tokens over all ranks: "
+                "leave average_tokens_across_devices at true")
+    return None
+
+
 def activation_offloading_without_accelerator(recipe: Recipe, ctx: LintContext) -> str | None:
     # TRL's OffloadActivations asks torch.accelerator.current_accelerator().type, None on a CPU-only machine.
     if recipe.training.activation_offloading and not ctx.has_accelerator:
@@ -232,6 +239,7 @@ RULES = (
     sequence_parallel_size_not_dividing_the_world,
     block_length_not_divisible_by_sequence_parallel_size,
     sequence_parallel_size_the_heads_cannot_take,
+    sequence_parallel_without_global_token_count,
     activation_offloading_without_accelerator,
 )
 

@@ -3,6 +3,10 @@
 FLOPs per token come from `sft_recipes.model_math.flops_per_token` (6N + attention for full fine-tuning,
 4N + 6 x trainable for a frozen LoRA base), the same function the dry-run planner uses, so the
 planned and the measured MFU are the same quantity.
+
+Under sequence parallelism a rank of an N-rank group computes 1/N of its blocks: the MLPs and
+projections of its chunk's tokens, and attention over the whole block for 1/N of the heads. Both
+its tokens and its attention term are the block's divided by N.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ class ThroughputMeter:
     model_config: object
     param_counts: object
     device: torch.device
-    tokens: int = 0
+    sequence_parallel_size: int = 1  # ranks that share each block counted
+    tokens: float = 0
     squared_lengths: float = 0.0
     started: float = field(default_factory=time.perf_counter)
 
@@ -67,9 +72,10 @@ class ThroughputMeter:
         self.peak_flops, self.device_name = accelerator_peak_flops(self.device)
 
     @classmethod
-    def for_run(cls, model_config, lora_config, device: torch.device) -> ThroughputMeter:
+    def for_run(cls, model_config, lora_config, device: torch.device, sequence_parallel_size: int = 1
+                ) -> ThroughputMeter:
         """Counts from the meta model of the run's architecture (LoRA applied), as the planner makes them."""
-        return cls(model_config, count_parameters(model_config, lora_config), device)
+        return cls(model_config, count_parameters(model_config, lora_config), device, sequence_parallel_size)
 
     def describe(self) -> str:
         """What the logged MFU means for this run (or why there is none)."""
@@ -87,9 +93,10 @@ class ThroughputMeter:
         self.count(*real_tokens_and_attention_length(inputs))
 
     def count(self, tokens: int, squared_lengths: float) -> None:
-        """Add real tokens and their sum of squared example lengths (when the data path knows them exactly)."""
-        self.tokens += tokens
-        self.squared_lengths += squared_lengths
+        """Add real tokens and their sum of squared example lengths (when the data path knows them exactly);
+        under sequence parallelism, those of the whole blocks this rank shares."""
+        self.tokens += tokens / self.sequence_parallel_size
+        self.squared_lengths += squared_lengths / self.sequence_parallel_size
 
     def report(self) -> dict[str, float]:
         elapsed = time.perf_counter() - self.started

@@ -706,8 +706,7 @@ def training_setup(recipe: Recipe, accelerate_config: dict | None, world_size: i
     fsdp = (accelerate_config or {}).get("fsdp_config") or {}
     mixed_precision = (accelerate_config or {}).get("mixed_precision", "bf16" if t.bf16 else "no")
     compute = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
-    # a sequence-parallel group reads one stream of blocks: the batch is made by its data-parallel groups
-    accumulation, _ = derive_gradient_accumulation(t, world_size // t.sequence_parallel_size)
+    accumulation, _ = derive_gradient_accumulation(t, world_size)  # counts sequence-parallel groups itself
     return TrainingSetup(
         world_size=world_size,
         micro_batch_size=t.per_device_train_batch_size,

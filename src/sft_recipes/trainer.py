@@ -1,5 +1,5 @@
-"""SFTTrainer plus what it lacks: packed streams (a rank-local dataloader and its stop signal), live
-throughput in every log, and LoRA checkpoints loadable as PEFT adapters."""
+"""SFTTrainer plus what it lacks: packed streams (a rank-local dataloader and its stop signal), sequence
+parallelism over their blocks, live throughput in every log, and LoRA checkpoints loadable as PEFT adapters."""
 
 from __future__ import annotations
 
@@ -8,11 +8,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import datasets
+import torch
 from torch.utils.data import DataLoader
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import SFTTrainer
 
-from sft_recipes.data.blocks import RankLocalBlockStream, StopWhenAnyRankExhausted, StreamStats
+from sft_recipes.architectures.sequence_parallel import SequenceParallelLayout
+from sft_recipes.data.blocks import IGNORE_INDEX, RankLocalBlockStream, StopWhenAnyRankExhausted, StreamStats
+from sft_recipes.data.sequence_shards import shard_block
 from sft_recipes.export import export_adapter
 from sft_recipes.fault.uneven_shards import EndOfDataTogetherMixin
 from sft_recipes.fault.world_size import whole_global_batches
@@ -33,14 +36,29 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
     With `adapter_checkpoints`, every checkpoint also holds the LoRA adapter in PEFT format
     (`checkpoint-N/adapter/`): FSDP2 checkpoints keep it only as DCP shards (for resume). It is
     written inside the save, so the completion marker (an `on_save` callback) comes after it.
+
+    With `sequence_parallel` (the rank's `SequenceParallelLayout`), the ranks of a group read the
+    same blocks and each trains on its chunk (`shard_block`, labels shifted on the whole block).
+    TRL's loss then needs nothing else: its fused LM head scores the chunk's pre-shifted
+    `shift_labels` (logits for those positions only, in tiles), divides the summed token loss by
+    the step's supervised-token count (`num_items_in_batch`, always counted here, over every
+    rank's whole blocks divided by the N copies of each; transformers counts it only for models
+    that take loss kwargs, not e.g. Qwen3.5's VLM class) and multiplies it by the world size,
+    which FSDP2's gradient average divides back out: the gradient of the mean over the global
+    batch's supervised tokens, with no further division by the accumulation steps. The logged
+    loss (mean over ranks) is that mean.
     """
 
     def __init__(self, *args, block_stream: RankLocalBlockStream | None = None,
                  count_stream: Callable[[StreamStats, bool], None] | None = None,
-                 throughput: ThroughputMeter | None = None, adapter_checkpoints: bool = False, **kwargs):
+                 throughput: ThroughputMeter | None = None, adapter_checkpoints: bool = False,
+                 sequence_parallel: SequenceParallelLayout | None = None, **kwargs):
         self.throughput = throughput
         self.block_stream = block_stream
         self.adapter_checkpoints = adapter_checkpoints
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel is not None:
+            self.loss_is_scaled_for_ga = True  # by num_items_in_batch, which covers the accumulation steps
         self.exhaustion = None
         self.stream_stats = StreamStats()  # what this rank trained on from the block stream
         if self.block_stream is not None:
@@ -91,6 +109,12 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
     def train(self, *args, **kwargs):
         if self.throughput is not None:
             self.throughput.restart()  # model loading and preparation are not training time
+        if self.sequence_parallel is not None:
+            layout, block = self.sequence_parallel, self.args.max_length
+            chunk = block // layout.sp_size
+            logger.info("[sequence parallel] rank %d holds tokens %d-%d of each %d-token block of reader %d of %d",
+                        self.args.process_index, layout.sp_rank * chunk, (layout.sp_rank + 1) * chunk - 1, block,
+                        layout.dp_rank, layout.dp_size)
         result = super().train(*args, **kwargs)
         if self.block_stream is not None:  # each rank trained on its own shard
             logger.info("[data] rank %d trained on %s", self.args.process_index, self.stream_stats.describe())
@@ -110,7 +134,21 @@ class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
                 self.throughput.observe(inputs)
         if exhausted is not None and bool(exhausted):
             self.exhaustion.exhausted = True
+        if self.sequence_parallel is not None:
+            inputs = shard_block(inputs, self.sequence_parallel.sp_rank, self.sequence_parallel.sp_size)
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def get_sp_size(self) -> int:
+        """Ranks holding the same sequences: transformers divides them out of the global batch size."""
+        return self.sequence_parallel.sp_size if self.sequence_parallel is not None else super().get_sp_size()
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        if self.sequence_parallel is None:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        # Next-token targets of the whole blocks (labels[1:] is what shift_labels keeps), over every rank.
+        local = sum(int((batch["labels"][..., 1:] != IGNORE_INDEX).sum()) for batch in batch_samples)
+        every_rank = self.accelerator.gather(torch.tensor(local, device=device)).sum()
+        return every_rank / self.sequence_parallel.sp_size  # each block was counted by each rank of its group
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)

@@ -25,6 +25,9 @@ Where it hooks into transformers 5.23 (``models/{llama,qwen3_5,gpt_oss}/modeling
   q, k and v channels of the rank's heads), the recurrence exchanges heads; both receive the
   block's ``seq_idx`` / ``cu_seqlens``. The layer's forward marks which layer is running, because
   those functions are not given the module.
+* a mixture of experts' load-balancing loss (``load_balancing_loss_func``: mixtral's, which TRL's
+  fused LM head calls, and gpt_oss's) is a product of per-expert means over tokens: it gathers
+  the router logits of the whole block from the group, so every rank takes it over the block.
 
 KV heads: with ``H`` query and ``K`` kv heads, rank ``r`` takes query heads ``r*H/N ...`` and the
 kv heads they read. That is an even split when ``N`` divides ``K``, one replicated kv head per rank
@@ -34,6 +37,7 @@ refused. Linear-attention heads are split without replication.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import sys
@@ -43,9 +47,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all
+from torch.distributed.nn.functional import all_gather, all_to_all
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gpt_oss import modeling_gpt_oss
+from transformers.models.mixtral import modeling_mixtral
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from sft_recipes.architectures.registry import prepare_for_packing
@@ -64,6 +70,22 @@ _SHARD = "_sft_recipes_sequence_parallel"  # attribute on marked modules and on 
 _ACTIVE_LINEAR_LAYER: contextvars.ContextVar[_LinearShard | None] = contextvars.ContextVar(
     "sft_recipes_active_linear_layer", default=None
 )
+# True while a model with sequence parallelism runs as a plain model (every rank the whole input).
+_SUSPENDED: contextvars.ContextVar[bool] = contextvars.ContextVar("sft_recipes_sequence_parallel_suspended",
+                                                                  default=False)
+
+
+@contextlib.contextmanager
+def sequence_parallel_suspended():
+    """Inside, a model given `enable_sequence_parallel` runs as if it had not been: each rank the whole input.
+
+    For forwards outside training, e.g. checking an export against the trained model on a probe.
+    """
+    token = _SUSPENDED.set(True)
+    try:
+        yield
+    finally:
+        _SUSPENDED.reset(token)
 
 
 # --- groups ---------------------------------------------------------------------------------------
@@ -223,7 +245,7 @@ class _HeadShardView:
 
 def _sequence_parallel_attention(attention: Callable, implementation: str) -> Callable:
     def attention_forward(module, query, key, value, attention_mask, **kwargs):
-        shard: _AttentionShard | None = getattr(module, _SHARD, None)
+        shard: _AttentionShard | None = None if _SUSPENDED.get() else getattr(module, _SHARD, None)
         if shard is None:
             return attention(module, query, key, value, attention_mask, **kwargs)
         if implementation in FLASH_IMPLEMENTATIONS and kwargs.get("cu_seq_lens_q") is None:
@@ -344,7 +366,7 @@ def _mark_linear_layer(layer: torch.nn.Module, shard: _LinearShard) -> None:
 
     @functools.wraps(forward)
     def sequence_parallel_forward(*args: Any, **kwargs: Any) -> Any:
-        token = _ACTIVE_LINEAR_LAYER.set(shard)
+        token = _ACTIVE_LINEAR_LAYER.set(None if _SUSPENDED.get() else shard)
         try:
             return forward(*args, **kwargs)
         finally:
@@ -353,10 +375,38 @@ def _mark_linear_layer(layer: torch.nn.Module, shard: _LinearShard) -> None:
     layer.forward = sequence_parallel_forward
 
 
+# --- MoE load balancing ----------------------------------------------------------------------------
+
+
+def _sequence_parallel_load_balancing(balance: Callable, group: dist.ProcessGroup) -> Callable:
+    def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        if _SUSPENDED.get() or not isinstance(gate_logits, tuple):
+            return balance(gate_logits, num_experts, top_k, attention_mask)
+        if attention_mask is not None:
+            raise ValueError("Sequence parallelism balances experts over packed blocks: pass no attention_mask.")
+        # The balance is a product of per-expert means over the block's tokens, not a sum over chunks: every
+        # rank takes it over the whole block. all_gather's backward sums the ranks' gradients into each chunk.
+        gate_logits = tuple(torch.cat(all_gather(layer.contiguous(), group=group), dim=0) for layer in gate_logits)
+        return balance(gate_logits, num_experts, top_k, None)
+
+    return _marked(load_balancing_loss_func, balance)
+
+
+def _install_load_balancing_dispatchers(group: dist.ProcessGroup) -> None:
+    # TRL's fused LM head imports mixtral's at each call; gpt_oss's own forward calls its copy.
+    for modeling_module in (modeling_mixtral, modeling_gpt_oss):
+        if not getattr(modeling_module.load_balancing_loss_func, _SHARD, False):
+            modeling_module.load_balancing_loss_func = _sequence_parallel_load_balancing(
+                modeling_module.load_balancing_loss_func, group
+            )
+
+
 # --- masks for the whole block --------------------------------------------------------------------
 
 
-def _block_masks(decoder: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+def _block_masks(decoder: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+    if _SUSPENDED.get():
+        return None
     position_ids = kwargs.get("position_ids")
     if args or position_ids is None or kwargs.get("past_key_values") is not None:
         raise ValueError(
@@ -418,6 +468,8 @@ def enable_sequence_parallel(model: torch.nn.Module, group: dist.ProcessGroup) -
     setattr(decoder, _SHARD, group)
     # Ahead of gpt_oss's own mask hook, which then sees the masks given and stands aside.
     decoder.register_forward_pre_hook(_block_masks, with_kwargs=True, prepend=True)
+    if getattr(text_config, "output_router_logits", None) is not None:  # a mixture of experts
+        _install_load_balancing_dispatchers(group)
     for module in decoder.layers.modules():
         if isinstance(module, modeling_qwen3_5.Qwen3_5GatedDeltaNet):
             _install_linear_dispatchers()

@@ -41,10 +41,10 @@ def recipe_identity(recipe) -> dict[str, Any]:
     identity = {key: getattr(next(owner for owner in owners if hasattr(owner, key)), key)
                 for key in sorted(recipe.values) if key not in RESUME_SAFE_KEYS}
     if recipe.data.pack_blocks:
-        # Each (rank, dataloader worker) streams its own shard: resumed with another count of readers, the
-        # skipped batches would be other data, so the run would re-read some and never see the rest.
-        # Only the count matters (2 ranks x 2 workers resumes 4 ranks x 1 worker): see fault.world_size.
-        identity[READERS_KEY] = stream_readers(recipe.training.world_size, recipe.training.dataloader_num_workers)
+        # Each (sequence-parallel group, dataloader worker) streams its own shard: resumed with another count of
+        # readers, the skipped batches would be other data, so the run would re-read some and never see the rest.
+        # Only the count matters (2 groups x 2 workers resumes 4 groups x 1 worker): see fault.world_size.
+        identity[READERS_KEY] = stream_readers(recipe.training)
     return identity
 
 

@@ -36,11 +36,14 @@ from sft_recipes.fault.checkpoints import read_checkpoint
 
 logger = logging.getLogger(__name__)
 
-READERS_KEY = "packed_stream_readers (ranks x dataloader_num_workers)"  # in the recipe identity when packing
+# In the recipe identity when packing. A group is one process, or the sequence_parallel_size processes sharing blocks.
+READERS_KEY = "packed_stream_readers (sequence-parallel groups x dataloader_num_workers)"
 
 
-def stream_readers(world_size: int, dataloader_num_workers: int) -> int:
-    return world_size * max(1, dataloader_num_workers)
+def stream_readers(training_args) -> int:
+    """Readers of a packed stream: one per (data-parallel group, dataloader worker)."""
+    groups = training_args.world_size // training_args.sequence_parallel_size
+    return groups * max(1, training_args.dataloader_num_workers)
 
 
 def whole_global_batches(sampler, training_args):
@@ -59,7 +62,7 @@ def whole_global_batches(sampler, training_args):
 
 
 def reader_layouts(readers: int) -> str:
-    """Every (processes x dataloader workers) layout with `readers` readers, e.g. '1 x 4, 2 x 2, 4 x 1'."""
+    """Every (groups x dataloader workers) layout with `readers` readers, e.g. '1 x 4, 2 x 2, 4 x 1'."""
     layouts = [f"{ranks} x {readers // ranks}" for ranks in range(1, readers + 1) if readers % ranks == 0]
     return ", ".join(layouts)
 
@@ -69,10 +72,11 @@ def readers_refusal(theirs: dict[str, Any], ours: dict[str, Any], where: str) ->
     then, now = theirs.get(READERS_KEY), ours.get(READERS_KEY)
     if then is None or now is None or then == now:
         return None
-    return (f"{where} was written by {then} packed-stream readers (processes x dataloader workers), this run has "
+    return (f"{where} was written by {then} packed-stream readers (groups x dataloader workers; a group is one "
+            f"process, or sequence_parallel_size processes), this run has "
             f"{now}. Each reader streams its own shard of the data and a resume skips, per reader, what it had "
             f"read: with {now} readers the shards are cut differently, so some conversations would be trained "
-            f"twice and others never. Resume with processes x max(1, dataloader_num_workers) = {then}, i.e. "
+            f"twice and others never. Resume with groups x max(1, dataloader_num_workers) = {then}, i.e. "
             f"{reader_layouts(then)} (dataloader_num_workers 0 counts as 1), or train in another output_dir")
 
 
@@ -85,7 +89,7 @@ def refuse_another_training_layout(checkpoint: str, training_args) -> None:
     marker = found.marker if found else None
     if not marker or "global_batch_sequences" not in marker:
         return
-    readers_here = {READERS_KEY: stream_readers(training_args.world_size, training_args.dataloader_num_workers)}
+    readers_here = {READERS_KEY: stream_readers(training_args)}
     refusal = readers_refusal(marker.get("recipe", {}), readers_here, f"checkpoint {checkpoint}")
     if refusal:  # the checkpoint is a packed stream's (map-style markers have no reader count)
         raise RecipeError(refusal)

@@ -45,7 +45,7 @@ def build_data(run: Run, tokenizer) -> RunData:
         fmt.check_trainable(good_rows, tokenizer, tokenization)
         if run.packs_blocks:  # each rank (x dataloader worker) reads and tokenizes its own shard
             block_stream = RankLocalBlockStream(
-                rows, tokenizer, training.max_length, training.process_index, training.world_size,
+                rows, tokenizer, training.max_length, *run.data_reader,
                 split_examples=data_args.split_examples, template_kwargs=tokenization.template_kwargs,
                 packing_window=data_args.packing_window,
             )

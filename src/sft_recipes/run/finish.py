@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from sft_recipes.architectures.sequence_parallel import sequence_parallel_suspended
 from sft_recipes.export import export_run
 from sft_recipes.reporting.export_check import ExportCheck
 from sft_recipes.reporting.load_export import load_export
@@ -26,8 +27,9 @@ def finish(run: Run, training: Training) -> dict | None:
         write_samples(output_dir, training.sample_prompts, reloaded, trainer.processing_class,
                       **sample_settings(recipe))
 
-    output_dir, logit_diff = export_run(trainer, recipe.model, output_dir, load_base=run.source.load_model,
-                                        on_reloaded=samples_after if training.sample_prompts else None)
+    with sequence_parallel_suspended():  # the reload check runs its probe whole on every rank
+        output_dir, logit_diff = export_run(trainer, recipe.model, output_dir, load_base=run.source.load_model,
+                                            on_reloaded=samples_after if training.sample_prompts else None)
     if not run.is_main:
         return None
     summary = training.summary

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from sft_recipes.architectures import check_packing_leak, freeze_vision_tower, prepare_for_packing
+from sft_recipes.architectures.sequence_parallel import enable_sequence_parallel
 from sft_recipes.fsdp_wrap import guard_lora_fsdp_layout, pin_fsdp_wrap_classes
 from sft_recipes.lora import apply_lora, build_lora_config
 from sft_recipes.run.setup import Run
@@ -29,7 +30,9 @@ def build_model(run: Run) -> RunModel:
     model = run.source.load_model()
     if frozen := freeze_vision_tower(model):  # text-only SFT of a VLM checkpoint: kept, exported, not trained
         logger.info("vision tower frozen (%s parameters): text-only data never updates it", f"{frozen:,}")
-    if run.packs_blocks:
+    if run.sequence_parallel is not None:  # before FSDP wraps it; prepares it for packing too
+        enable_sequence_parallel(model, run.sequence_parallel.group)
+    elif run.packs_blocks:
         prepare_for_packing(model)
     wrap_classes = pin_fsdp_wrap_classes(model, training.fsdp_wrap_classes)  # from the model, not guesses
     lora_config = build_lora_config(model_args) if model_args.use_peft else None

@@ -15,6 +15,7 @@ from sft_recipes.fault.resume import protect_output_dir, resolve_resume_checkpoi
 from sft_recipes.lint import LintContext, lint_recipe
 from sft_recipes.loading import ModelSource
 from sft_recipes.reporting.hub import HubPush, take_over_hub_push
+from sft_recipes.run.sequence_parallel import SequenceParallel, start_sequence_parallel
 
 logger = logging.getLogger("sft")
 
@@ -28,6 +29,14 @@ class Run:
     batch_derivation: str  # how gradient accumulation follows from the global batch, every factor shown
     resume_from: str | None  # the checkpoint this run continues, chosen (and checked) before anything loads
     hub_push: HubPush | None = None  # `push_to_hub`: ours, after the export check (the Trainer's is switched off)
+    sequence_parallel: SequenceParallel | None = None  # this rank's group; None: every rank has its own blocks
+
+    @property
+    def data_reader(self) -> tuple[int, int]:
+        """(this rank's data reader, number of readers): the ranks of a sequence-parallel group share one."""
+        if self.sequence_parallel is not None:
+            return self.sequence_parallel.layout.dp_rank, self.sequence_parallel.layout.dp_size
+        return self.recipe.training.process_index, self.recipe.training.world_size
 
     @property
     def is_main(self) -> bool:
@@ -68,7 +77,8 @@ def start_run(recipe: Recipe) -> Run:
     resume_from = resolve_resume_checkpoint(training)  # refuses a layout the checkpoint cannot continue on
     with training.main_process_first(local=False, desc="model files"):
         source.ensure_files()  # a tiny stand-in is built once, by the main process
-    run = Run(recipe=recipe, source=source, batch_derivation=derivation, resume_from=resume_from, hub_push=hub_push)
+    run = Run(recipe=recipe, source=source, batch_derivation=derivation, resume_from=resume_from, hub_push=hub_push,
+              sequence_parallel=start_sequence_parallel(recipe))  # the process group exists by now
     if run.is_main:
         logger.info("recipe %s -> output_dir %s; %s", recipe.source, training.output_dir, derivation)
     return run

@@ -44,7 +44,8 @@ class Training:
 def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Training:
     recipe, training_args = run.recipe, run.recipe.training
     summary = RunSummaryCallback(configure_mlflow(training_args, recipe.model.mlflow_experiment_name))
-    throughput = ThroughputMeter.for_run(run.source.config, built.lora_config, training_args.device)
+    throughput = ThroughputMeter.for_run(run.source.config, built.lora_config, training_args.device,
+                                         training_args.sequence_parallel_size)
     reporting = [TrainingCurvesCallback()]  # training_curves.png at each save and at the end
     if data.sample_prompts and answers_in_lockstep(training_args):
         reporting.append(BaseSamplesCallback(data.sample_prompts, **sample_settings(recipe)))
@@ -61,6 +62,7 @@ def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Traini
         processing_class=tokenizer,
         throughput=throughput,  # tokens/s per device, MFU, peak memory in every log
         adapter_checkpoints=built.lora_config is not None,  # checkpoints in PEFT format too
+        sequence_parallel=run.sequence_parallel.layout if run.sequence_parallel is not None else None,
         callbacks=[RecipeParamsCallback(recipe.values), summary, DataReportCallback(data.report),
                    *fault_tolerance_callbacks(training_args, recipe_identity(recipe)), *reporting],
     )

@@ -1,0 +1,91 @@
+"""Sequence parallelism in real runs: `accelerate launch` with 2 CPU processes and
+`--sequence_parallel_size 2` training like one process, for the tiny Llama, Qwen3.5 and gpt-oss twins.
+
+One process reads the same packed blocks as one 2-rank group (one reader per group), so its losses
+are the reference, step for step. The Llama case is also preempted (SIGTERM to rank 1) and
+resumed: its later losses are the one-process run's too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+
+import pytest
+import yaml
+
+from conftest import REPO_ROOT, assert_resume_reproduces, launch_sft, read_summary
+from fault_helpers import complete, finish, start_run, wait_for, worker_pid
+from sft_recipes.config import load_recipe
+
+TINY = REPO_ROOT / "recipes" / "tiny"
+PACKED_CHAT = ("--dataset_name", "data/samples/ultrachat.jsonl", "--dataset_format", "messages",
+               "--pack_blocks", "true")
+
+
+STEPS = ("--max_steps", "3", "--logging_steps", "1", "--report_to", "none", "--save_steps", "1000")
+
+
+def _launch_pair(tmp_path, recipe, *overrides):
+    """The recipe on 1 process, and on 2 processes sharing each block: (their summaries, the SP run's output)."""
+    one, shared = tmp_path / "one", tmp_path / "sp2"
+    launch_sft(recipe, *overrides, *STEPS, "--output_dir", str(one), nproc=1)
+    result = launch_sft(recipe, *overrides, *STEPS, "--sequence_parallel_size", "2", "--output_dir", str(shared))
+    return read_summary(one), read_summary(shared), result.stdout + result.stderr
+
+
+def assert_same_losses(reference: dict[str, float], losses: dict[str, float]) -> None:
+    assert losses and set(losses) <= set(reference)
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step], abs=1e-4), step
+
+
+# The Llama and gpt-oss twins packed on chat data; the Qwen3.5 twin is packed already.
+TWINS = {"llama8b": (256, PACKED_CHAT), "gptoss120b": (512, PACKED_CHAT), "qwen27b": (256, ())}
+# Open: under FSDP2 the Qwen3.5 run's first loss matches but its first gradient does not (grad norm 2.146
+# against 2.265; the model alone, without FSDP, gives 2.265 under SP too), so step 2 is off by ~8e-3.
+QWEN_GRADIENT_UNDER_FSDP = pytest.mark.xfail(strict=True, reason="SP gradient differs under FSDP2 for qwen3_5")
+
+
+@pytest.mark.fsdp
+@pytest.mark.parametrize("twin", [pytest.param(twin, marks=QWEN_GRADIENT_UNDER_FSDP) if twin == "qwen27b" else twin
+                                  for twin in TWINS])
+def test_two_ranks_sharing_each_block_train_like_one_process(tmp_path, twin):
+    max_length, overrides = TWINS[twin]
+    one, shared, output = _launch_pair(tmp_path, TINY / f"{twin}.yaml", *overrides)
+    assert "1 sequence-parallel groups (2 processes / sequence_parallel_size 2)" in output
+    for rank, tokens in ((0, f"0-{max_length // 2 - 1}"), (1, f"{max_length // 2}-{max_length - 1}")):
+        assert f"rank {rank} holds tokens {tokens} of each {max_length}-token block of reader 0 of 1" in output
+    assert list(shared["losses"]) == ["1", "2", "3"]
+    assert_same_losses(one["losses"], shared["losses"])
+
+
+PREEMPTED = re.compile(r"\[preempted\] stopped at step (\d+) of 6")
+
+
+@pytest.mark.fsdp
+def test_preempted_run_under_sequence_parallelism_resumes_exactly(tmp_path):
+    """Llama packed on chat data: first losses and, after a SIGTERM and a resume, the later ones equal one
+    process's."""
+    llama = TINY / "llama8b.yaml"
+    common = (*PACKED_CHAT, "--max_steps", "6", "--logging_steps", "1", "--report_to", "none", "--save_steps", "3")
+    reference = tmp_path / "one"
+    launch_sft(llama, *common, "--output_dir", str(reference), nproc=1)
+    out = tmp_path / "sp2"
+    sp_run = (*common, "--sequence_parallel_size", "2", "--output_dir", str(out))
+    run = start_run(*sp_run, recipe=llama, env={"FAULT_SLOW_STEP_SECONDS": "0.5"})
+    wait_for(lambda: complete(out / "checkpoint-3"), run, "the first checkpoint")
+    os.kill(worker_pid(run, 1), signal.SIGTERM)
+    preempted = finish(run).output
+    match = PREEMPTED.search(preempted)
+    assert match, preempted[-4000:]
+    stop = int(match.group(1))
+    assert 3 <= stop < 6
+    state = json.loads((out / f"checkpoint-{stop}" / "trainer_state.json").read_text())
+    before = {str(entry["step"]): entry["loss"] for entry in state["log_history"] if "loss" in entry}
+    assert list(before)[:3] == ["1", "2", "3"]
+    assert_same_losses(read_summary(reference)["losses"], before)
+    launch_sft(llama, *sp_run)
+    assert_resume_reproduces(reference, out, stop, atol=1e-4)
