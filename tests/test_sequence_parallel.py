@@ -18,7 +18,7 @@ from conftest import free_port
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from test_packing_equivalence import ARCHITECTURES, LAYOUTS, packed_batch, tiny_model
 
-from sft_recipes.data.packing import IGNORE_INDEX
+from sft_recipes.data.collator import IGNORE_INDEX
 from sft_recipes.data.sequence_shards import shard_block, shift_labels
 from sft_recipes.architectures import prepare_for_packing
 from sft_recipes.architectures.sequence_parallel import (

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sft_recipes.data.packing import IGNORE_INDEX
+from sft_recipes.data.collator import IGNORE_INDEX
 
 
 def summed_token_loss(logits: torch.Tensor, shift_labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from sft_recipes.data.packing import IGNORE_INDEX
+from sft_recipes.data.collator import IGNORE_INDEX
 
 # Per-token inputs each rank cuts to its chunk; the token-mixing layers get the block's own
 # boundaries (seq_idx, cu_seq_lens_q/k, max_length_q/k) because they run over the whole block.
