@@ -30,7 +30,7 @@ def test_recipe_parses(path):
     # GPU recipes ask for bf16, which TrainingArguments refuses on a machine without a GPU.
     recipe = load_recipe(path, planning=True)
     assert recipe.model.model_name_or_path
-    assert recipe.data.dataset_name
+    assert recipe.data.dataset_name or recipe.data.datasets
     assert recipe.training.output_dir
 
 

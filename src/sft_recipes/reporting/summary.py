@@ -21,6 +21,7 @@ class RunSummaryCallback(TrainerCallback):
         self.step_seconds: list[float] = []
         self.mlflow_run_id: str | None = None
         self.last_metrics: dict[str, float] = {}  # the newest throughput/packing figures logged
+        self.eval_losses: dict[int, float] = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero and "mlflow" in (args.report_to or []):
@@ -44,6 +45,8 @@ class RunSummaryCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses[state.global_step] = float(logs["loss"])
+        if logs and "eval_loss" in logs:
+            self.eval_losses[state.global_step] = float(logs["eval_loss"])
         for key in ("packing_efficiency", "tokens_per_second_per_device", "mfu", "peak_memory_gib"):
             if logs and key in logs:
                 self.last_metrics[key] = float(logs[key])
@@ -60,6 +63,8 @@ class RunSummaryCallback(TrainerCallback):
             "seconds_per_step": round(sum(self.step_seconds) / steps_run, 4) if steps_run else None,
             "final_loss": self.losses[max(self.losses)] if self.losses else None,
             "losses": {str(step): loss for step, loss in sorted(self.losses.items())},
+            "eval_loss": self.eval_losses[max(self.eval_losses)] if self.eval_losses else None,
+            "eval_losses": {str(step): loss for step, loss in sorted(self.eval_losses.items())},
             "packing_efficiency": self.last_metrics.get("packing_efficiency"),
             "tokens_per_second_per_device": self.last_metrics.get("tokens_per_second_per_device"),
             "mfu": self.last_metrics.get("mfu"),
@@ -77,7 +82,8 @@ class RunSummaryCallback(TrainerCallback):
         speed = report["tokens_per_second_per_device"]
         throughput = f", {speed:,.0f} tokens/s/device" if speed else ""
         mfu = f", MFU {report['mfu']:.1%}" if report["mfu"] else ""
+        eval_loss = f", eval loss={report['eval_loss']:.4f}" if report.get("eval_loss") is not None else ""
         return (
             f"[train] {report['steps']} steps in {report['train_seconds']:.1f}s ({per_step}{throughput}{mfu}), "
-            f"final loss={loss} | checkpoint: {report['checkpoint']}"
+            f"final loss={loss}{eval_loss} | checkpoint: {report['checkpoint']}"
         )

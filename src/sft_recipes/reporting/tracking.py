@@ -13,7 +13,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from sft_recipes.data.report import DataReport
+from sft_recipes.data.report import DataReport, MixtureReport
 
 DEFAULT_STORE = "mlruns.db"
 SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "DATABRICKS_TOKEN", "MLFLOW_TRACKING_TOKEN")
@@ -58,7 +58,7 @@ class RecipeParamsCallback(TrainerCallback):
 class DataReportCallback(TrainerCallback):
     """Write the report to output_dir/data_report.json; log its counts to MLflow as `data.*` params."""
 
-    def __init__(self, report: DataReport) -> None:
+    def __init__(self, report: DataReport | MixtureReport) -> None:
         self.report = report
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -72,7 +72,4 @@ class DataReportCallback(TrainerCallback):
         import mlflow
 
         if mlflow.active_run() is not None:
-            mlflow.log_params({
-                "data.rows": summary["rows"], "data.kept": summary["kept"], "data.truncated": summary["truncated"],
-                **{f"data.dropped.{reason}": count for reason, count in summary["dropped"].items()},
-            })
+            mlflow.log_params(self.report.mlflow_params())

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from sft_recipes.distributed import set_fsdp_reduce_dtype, verify_distributed
+from sft_recipes.evaluation import evaluated_at_last_step
 from sft_recipes.fault import fault_tolerance_callbacks
 from sft_recipes.fault.resume import recipe_identity, resolve_resume_checkpoint
 from sft_recipes.metrics import ThroughputMeter
@@ -29,11 +30,14 @@ class Training:
     seconds: float = 0.0
 
     def run(self) -> None:
-        """Train, resuming as the recipe's `resume_from_checkpoint` says (see `fault.resume`)."""
+        """Train, resuming as the recipe's `resume_from_checkpoint` says (see `fault.resume`); with eval data,
+        end on an eval loss of the final weights (unless the last step was just evaluated, or eval_strategy is no)."""
         self.resumed_from = resolve_resume_checkpoint(self.trainer.args)
         start = time.perf_counter()
         self.trainer.train(resume_from_checkpoint=self.resumed_from)
         self.seconds = time.perf_counter() - start
+        if self.trainer.eval_dataset is not None and not evaluated_at_last_step(self.trainer.state):
+            self.trainer.evaluate()
 
 
 def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Training:
@@ -44,6 +48,7 @@ def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Traini
         model=built.model,
         args=training_args,
         train_dataset=data.train,
+        eval_dataset=data.eval,
         block_stream=data.block_stream,
         data_collator=data.collator,
         processing_class=tokenizer,
