@@ -48,11 +48,12 @@ def loss_sum_alone(model, input_ids: list[int], labels: list[int]) -> tuple[floa
         (targets != -100).sum())
 
 
-def trainer_for(model, tokenizer, eval_dataset, collator, tmp_path, train_dataset):
+def trainer_for(model, tokenizer, eval_dataset, collator, tmp_path, **train):
+    """A trainer to evaluate with; `train`: its train_dataset or block_stream (the trainer needs one)."""
     args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=2, max_length=MAX_LENGTH,
                              use_cpu=True, bf16=False, report_to=[], activation_checkpointing=False)
-    return RecipeSFTTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                            data_collator=collator, processing_class=tokenizer)
+    return RecipeSFTTrainer(model=model, args=args, eval_dataset=eval_dataset, data_collator=collator,
+                            processing_class=tokenizer, **train)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_5"])
@@ -66,7 +67,7 @@ def test_packed_eval_loss_equals_the_token_mean_of_the_examples_run_alone(model_
 
     collator = collate_blocks(BlockDiagonalCollator(MAX_LENGTH, tokenizer.pad_token_id, block_per_row=True))
     stream = RankLocalBlockStream(rows, tokenizer, MAX_LENGTH, rank=0, world_size=1)
-    metrics = trainer_for(model, tokenizer, blocks, collator, tmp_path, stream).evaluate()
+    metrics = trainer_for(model, tokenizer, blocks, collator, tmp_path, block_stream=stream).evaluate()
 
     columns = tokenize_conversations(tokenizer, rows["messages"], None)
     sums, counts = zip(*(loss_sum_alone(model, ids[:MAX_LENGTH],
@@ -86,7 +87,7 @@ def test_padded_eval_loss_weighs_every_token_not_every_batch(tmp_path):
         ids = torch.randint(10, 500, (length,)).tolist()
         rows.append({"input_ids": ids, "labels": [-100] * (length - targets) + ids[length - targets:]})
     metrics = trainer_for(model, tokenizer, Dataset.from_list(rows), None, tmp_path,
-                          Dataset.from_list(rows)).evaluate()
+                          train_dataset=Dataset.from_list(rows)).evaluate()
 
     sums, counts = zip(*(loss_sum_alone(model, row["input_ids"], row["labels"]) for row in rows))
     token_mean = sum(sums) / sum(counts)
