@@ -14,7 +14,7 @@ ACCELERATE_CONFIGS = sorted((REPO_ROOT / "accelerate_configs").glob("*.yaml"))
 TWINS = sorted((REPO_ROOT / "recipes" / "tiny").glob("*.yaml"))
 # What a tiny CPU twin may change: the model, the data, the sizes, and what CPU hardware forces.
 TWIN_MAY_DIFFER = {
-    "model_name_or_path", "dataset_name", "dataset_config", "dataset_revision", "dataset_streaming",
+    "model_name_or_path", "dataset_name", "dataset_config", "dataset_revision", "dataset_streaming", "eval_datasets",
     "export_dtype", "max_length", "max_steps", "num_train_epochs", "learning_rate", "save_steps",
     "output_dir", "bf16", "use_cpu", "attn_implementation", "max_train_samples", "logging_steps",
     "per_device_train_batch_size", "dtype", "model_revision",
