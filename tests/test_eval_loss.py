@@ -61,7 +61,7 @@ def test_packed_eval_loss_equals_the_token_mean_of_the_examples_run_alone(model_
     tokenizer = tokenizer_of(model_type)
     model = tiny_model(model_type, "sdpa")  # qwen3_5: slowly decaying gates, so a leak across examples would show
     prepare_for_packing(model)
-    rows = Dataset.from_list(conversations(12))
+    rows = Dataset.from_list(conversations(6))  # llama: 5 blocks, qwen3_5: 3, each with a 2-conversation block
     blocks = eval_blocks(rows, tokenizer, MAX_LENGTH)
     assert len(blocks) > 2 and max(len(lengths) for lengths in blocks["seq_lengths"]) >= 2  # packed, several batches
 

@@ -91,6 +91,7 @@ class DataArguments(ScriptArguments):
     def __post_init__(self):
         from sft_recipes.data.mixture import check_data_sources
 
+        self.dataset_streaming = self.dataset_streaming or self.streaming  # one flag for every reader
         check_data_sources(self)
 
 

@@ -47,7 +47,7 @@ from sft_recipes.errors import RecipeError
 # ── Recipe keys ─────────────────────────────────────────────────────────────────────────────────
 
 def is_streamed(data_args) -> bool:
-    return bool(data_args.streaming or data_args.dataset_streaming)
+    return bool(data_args.streaming or data_args.dataset_streaming)  # one flag once DataArguments is built
 
 
 def training_sources(data_args) -> list[DatasetSource]:
