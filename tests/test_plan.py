@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -557,3 +558,18 @@ def test_memory_estimate_is_within_the_stated_factor_of_the_measured_peak(
     estimated = estimate_memory(config, counts, setup, cuda_context_gib=0).allocated * GIB
 
     assert 0.85 <= estimated / measured <= 1.2, f"estimated {estimated / 1e6:.2f} MB, measured {measured / 1e6:.2f} MB"
+
+
+def test_eval_peak_keeps_no_gradients_but_the_full_logits():
+    # qwen27b.yaml evaluates one 32k block per GPU with the model's own loss: the full logits
+    # (T V (2 + 8) bytes, ~76 GiB) make eval, not training, the peak there; at 8k it fits an H100.
+    config = read_model_config(QWEN_27B, download=False)
+    setup = TrainingSetup(world_size=8, micro_batch_size=1, seq_len=32768, eval_micro_batch_size=1)
+    plan = make_plan(config, setup)
+    logits_gib = 32768 * config.text_config.vocab_size * 10 / GIB
+    assert make_plan(config, dataclasses.replace(setup, eval_micro_batch_size=None)).eval_gib is None
+    assert plan.eval_gib > plan.memory.total  # eval is this run's peak
+    # The training state without gradients, plus the logits: nothing kept for a backward.
+    state = plan.memory.params + plan.memory.optimizer + plan.memory.unsharded_params
+    assert state + logits_gib < plan.eval_gib < state + plan.memory.grads + logits_gib + plan.memory.overhead
+    assert "eval" in format_plan(plan) and make_plan(config, dataclasses.replace(setup, seq_len=8192)).eval_gib < 79.6

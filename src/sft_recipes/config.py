@@ -68,6 +68,32 @@ class DataArguments(ScriptArguments):
     chat_template_kwargs: dict | None = field(
         default=None, metadata={"help": "Extra chat-template variables, e.g. {enable_thinking: false}."}
     )
+    datasets: list[dict] | None = field(
+        default=None,
+        metadata={"help": "A weighted mixture instead of dataset_name: TRL's DatasetConfig entries (path, name, data_dir, "
+                  "data_files, split, columns, fraction) plus revision and dataset_format (see data/mixture.py)."},
+    )
+    eval_datasets: list[dict] | None = field(
+        default=None, metadata={"help": "Explicit eval data: entries shaped as in `datasets` (fraction not used)."}
+    )
+    test_split_size: float | None = field(
+        default=None,
+        metadata={"help": "Share of each source's rows held out for eval, chosen by a hash of the row (data/heldout.py)."},
+    )
+    streaming: bool = field(
+        default=False, metadata={"help": "TRL's mixture name for dataset_streaming: either one streams the data."}
+    )
+    mixture_strategy: Literal["first_exhausted", "all_exhausted"] = field(
+        default="first_exhausted",
+        metadata={"help": "How long a mixture runs (datasets' stopping_strategy names): until its first source is used "
+                  "up (no source repeated, TRL's rule), or until every source is used once (smaller shares repeated)."},
+    )
+
+    def __post_init__(self):
+        from sft_recipes.data.mixture import check_data_sources
+
+        self.dataset_streaming = self.dataset_streaming or self.streaming  # one flag for every reader
+        check_data_sources(self)
 
 
 @dataclass

@@ -125,6 +125,7 @@ class TrainingSetup:
     mfu: float = 0.4
     sequence_parallel_size: int = 1  # ranks sharing each block (Ulysses): each holds seq_len / N of its tokens
     activation_offloading: bool = False  # TRL's saved-tensor hooks: activations wait for backward on the host
+    eval_micro_batch_size: int | None = None  # sequences per device per eval forward; None: the run does not evaluate
 
     def __post_init__(self) -> None:
         for name in ("world_size", "micro_batch_size", "seq_len", "gradient_accumulation_steps",
@@ -446,6 +447,25 @@ def estimate_memory(
     )
 
 
+def estimate_eval_gib(config: PretrainedConfig, setup: TrainingSetup, memory: MemoryEstimate) -> float | None:
+    """Peak GiB per GPU while evaluating (`sft_recipes.evaluation`), or None when the run does not.
+
+    No gradients: params, optimizer state and the gathered unit stay (grads were freed by zero_grad),
+    the forward keeps one layer's activations at a time (b h + the largest layer's saved set, per
+    token), and the model's own loss materialises the full logits: bf16 logits, their fp32 upcast and
+    log-softmax, T V (b + 8) -- unlike training's chunked LM head.
+    """
+    if setup.eval_micro_batch_size is None:
+        return None
+    text_config = text_config_of(config)
+    b = _bytes(setup.compute_dtype)
+    tokens = setup.eval_micro_batch_size * setup.seq_len
+    forward = tokens * (b * text_config.hidden_size + max(layer.saved for layer in _model_layer_activations(config, setup)))
+    logits = tokens * text_config.vocab_size * (b + 8)
+    allocated = (memory.params + memory.optimizer + memory.unsharded_params) * GIB + forward + logits
+    return (allocated * (1 + FRAGMENTATION_FRACTION)) / GIB + CUDA_CONTEXT_GIB
+
+
 def fit_table(memory: MemoryEstimate) -> dict[str, float]:
     """Headroom in GiB per GPU type (negative: does not fit)."""
     return {gpu.name: gpu.memory_gib - memory.total for gpu in GPUS}
@@ -481,6 +501,7 @@ class Plan:
     attention_flops_per_token: float
     seconds_per_step: dict[str, float]
     headroom_gib: dict[str, float]
+    eval_gib: float | None = None  # peak per GPU while evaluating; None: the run does not evaluate
 
     @property
     def sequences_per_step(self) -> int:
@@ -530,6 +551,7 @@ class Plan:
             "attention_flops_per_token": self.attention_flops_per_token,
             "mfu": self.setup.mfu,
             "seconds_per_step": self.seconds_per_step,
+            "eval_peak_gib": self.eval_gib,
             "setup": setup,
             "counts": counts,
         }
@@ -552,6 +574,7 @@ def make_plan(model: PretrainedConfig | str | Path, setup: TrainingSetup, lora: 
         attention_flops_per_token=attention_flops_per_token(config, setup.seq_len),
         seconds_per_step={gpu.name: estimate_step_time(config, counts, setup, gpu.name) for gpu in GPUS},
         headroom_gib=fit_table(memory),
+        eval_gib=estimate_eval_gib(config, setup, memory),
     )
 
 
@@ -606,6 +629,12 @@ def format_plan(plan: Plan) -> str:
         row("loss", f"{s.loss_implementation} ({loss[s.loss_implementation]})"),
         f"  memory per GPU (GiB), at the peak: {m.peak_at}",
         *(f"    {name:<18}{getattr(m, name):>9.2f}" for name in (*MemoryEstimate.COMPONENTS, "total")),
+    ]
+    if plan.eval_gib is not None:
+        fits = ", ".join(gpu.name for gpu in GPUS if gpu.memory_gib >= plan.eval_gib) or "none"
+        lines.append(row("eval", f"{plan.eval_gib:.2f} GiB per GPU ({s.eval_micro_batch_size} seq/device, no "
+                         f"gradients: one layer's activations, full logits for the model's loss); fits {fits}"))
+    lines += [
         row("FLOPs per token", f"{plan.flops_per_token:.4g} = {4 if c.lora_ranks else 6} x "
             f"{_billions(c.flop_params)} matmul params{' + 6 x trainable' if c.lora_ranks else ''} "
             f"+ attention {plan.attention_flops_per_token:.4g}"),
@@ -721,6 +750,8 @@ def training_setup(recipe: Recipe, accelerate_config: dict | None, world_size: i
         dataset_sequences=dataset_sequences,
         sequence_parallel_size=t.sequence_parallel_size,
         activation_offloading=t.activation_offloading,
+        eval_micro_batch_size=t.per_device_eval_batch_size if recipe.data.eval_datasets or recipe.data.test_split_size
+        else None,
     )
 
 

@@ -24,6 +24,15 @@ def summed_token_loss(logits: torch.Tensor, shift_labels: torch.Tensor) -> tuple
     return loss_sum, (shift_labels != IGNORE_INDEX).sum()
 
 
+def global_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """A detached copy of ``tensor`` summed over the ranks of ``group``; one process without a process
+    group is the whole world (single-process evaluation)."""
+    total = tensor.detach().clone()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total, group=group)
+    return total
+
+
 def global_token_mean(
     loss_sum: torch.Tensor, token_count: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,9 +41,6 @@ def global_token_mean(
     The share is ``loss_sum / global count``: the ranks' gradients must be *summed* (an all-reduce
     that averages over W ranks, as FSDP's does, needs the share multiplied by W).
     """
-    global_count = token_count.detach().clone()
-    dist.all_reduce(global_count, group=group)
+    global_count = global_sum(token_count, group)
     share = loss_sum / global_count.clamp(min=1)
-    step_loss = share.detach().clone()
-    dist.all_reduce(step_loss, group=group)
-    return share, step_loss
+    return share, global_sum(share, group)

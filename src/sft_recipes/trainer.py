@@ -1,5 +1,6 @@
 """SFTTrainer plus what it lacks: packed streams (a rank-local dataloader and its stop signal), sequence
-parallelism over their blocks, live throughput in every log, and LoRA checkpoints loadable as PEFT adapters."""
+parallelism over their blocks, live throughput in every log, a token-weighted eval loss, and LoRA checkpoints
+loadable as PEFT adapters."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from trl import SFTTrainer
 from sft_recipes.architectures.sequence_parallel import SequenceParallelLayout
 from sft_recipes.data.blocks import IGNORE_INDEX, RankLocalBlockStream, StopWhenAnyRankExhausted, StreamStats
 from sft_recipes.data.sequence_shards import shard_block
+from sft_recipes.evaluation import TokenWeightedEvalMixin
 from sft_recipes.export import export_adapter
 from sft_recipes.fault.uneven_shards import EndOfDataTogetherMixin
 from sft_recipes.fault.world_size import whole_global_batches
@@ -24,9 +26,10 @@ from sft_recipes.metrics import ThroughputMeter
 logger = logging.getLogger(__name__)
 
 
-class RecipeSFTTrainer(EndOfDataTogetherMixin, SFTTrainer):
-    """SFTTrainer that can also train on a `RankLocalBlockStream`, and ends every pass over per-rank
-    streamed shards on the same step on every rank (`EndOfDataTogetherMixin`).
+class RecipeSFTTrainer(TokenWeightedEvalMixin, EndOfDataTogetherMixin, SFTTrainer):
+    """SFTTrainer that can also train on a `RankLocalBlockStream`, ends every pass over per-rank
+    streamed shards on the same step on every rank (`EndOfDataTogetherMixin`), and reports eval loss
+    as the token-weighted mean over every rank (`TokenWeightedEvalMixin`).
 
     The stream is already sharded per rank, so accelerate must not shard it again (it would make
     every rank read, and tokenize, the whole stream): `get_train_dataloader` serves it directly.

@@ -6,6 +6,9 @@ rules, how its rows become what SFTTrainer trains on, and the length policy, cou
 - messages: chat conversations, rendered and tokenized once with assistant-only masks (`masking.py`);
 - reasoning: messages whose assistant turns carry `thinking`, checked first to be trained.
 
+`to_tokens` gives every format's rows one shape, `input_ids` + `labels`, so that sources in
+different formats concatenate into one mixture (`mixture.py`); SFTTrainer takes such rows as they are.
+
 Adding a format is adding one entry to `FORMATS`. The rows a format sees have passed its row rules
 (`row_problem`, applied where the rows are read: `sources.py`).
 """
@@ -19,7 +22,9 @@ from typing import Any
 import pyarrow.compute as pc
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
+from trl.data_utils import common_prefix_length
 
+from sft_recipes.data.blocks import IGNORE_INDEX
 from sft_recipes.data.masking import KEPT, TRUNCATED_AWAY, tokenize_conversations
 from sft_recipes.data.report import DataReport
 from sft_recipes.data.rows import NO_TRAINABLE_TOKENS, OVERLONG, messages_problem, text_problem
@@ -76,6 +81,11 @@ class DatasetFormat:
         """The rows as SFTTrainer takes them, after the length policy; drops and trainable tokens go to `report`."""
         raise NotImplementedError
 
+    def to_tokens(self, rows: Dataset, tokenizer: PreTrainedTokenizerBase, tokenization: Tokenization,
+                  report: DataReport) -> Dataset:
+        """`prepare`, as `input_ids` + `labels` rows (-100 where nothing is learned), cut to max_length."""
+        raise NotImplementedError
+
 
 class _TokenizedByTrl(DatasetFormat):
     """Formats TRL tokenizes itself; lengths are counted the way TRL tokenizes (eos appended)."""
@@ -102,6 +112,24 @@ class _TokenizedByTrl(DatasetFormat):
         if max_length is not None:
             rows = self._apply_length_policy(rows, tokenizer, tokenization, report)
         return self.to_trainable(rows)
+
+    def to_tokens(self, rows, tokenizer, tokenization, report):
+        if tokenization.max_length is not None:
+            rows = self._apply_length_policy(rows, tokenizer, tokenization, report)
+        return rows.map(lambda batch: self._tokens(batch, tokenizer, tokenization), batched=True,
+                        batch_size=MASKING_BATCH, remove_columns=rows.column_names, desc=f"Tokenizing {self.name} rows")
+
+    def _tokens(self, rows: dict[str, list], tokenizer, tokenization: Tokenization) -> dict[str, list]:
+        """As TRL 1.16 tokenizes: the full text, and the prompt alone; the completion starts where they
+        diverge. keep_start truncation, as SFTTrainer's (the length policy dropped rows left without a target)."""
+        texts, prompts = self.texts(rows, tokenizer.eos_token or "")
+        full = tokenizer(texts)["input_ids"]
+        masked = [0] * len(full)
+        if prompts is not None and tokenization.completion_only_loss is not False:
+            masked = [common_prefix_length(prompt, ids) for prompt, ids in zip(tokenizer(prompts)["input_ids"], full)]
+        cut = tokenization.max_length
+        return {"input_ids": [ids[:cut] for ids in full],
+                "labels": [([IGNORE_INDEX] * start + ids[start:])[:cut] for start, ids in zip(masked, full)]}
 
     def _apply_length_policy(self, rows: Dataset, tokenizer, tokenization: Tokenization, report: DataReport) -> Dataset:
         max_length = tokenization.max_length
@@ -215,6 +243,13 @@ class ChatFormat(DatasetFormat):
         kept = kept.remove_columns("drop_reason")
         report.count_masking(dict(dropped), supervised_tokens(kept))
         return kept
+
+    def to_tokens(self, rows, tokenizer, tokenization, report):
+        return self.prepare(rows, tokenizer, tokenization, report).map(
+            lambda batch: {"labels": [[token if keep else IGNORE_INDEX for token, keep in zip(ids, mask)]
+                                      for ids, mask in zip(batch["input_ids"], batch["assistant_masks"])]},
+            batched=True, remove_columns=["assistant_masks"], desc="Labels from assistant masks",
+        )
 
 
 class ReasoningFormat(ChatFormat):

@@ -1,5 +1,6 @@
 """What happened to a dataset's rows: counts per drop reason and the first offending row of each,
-and the refusal when too many were dropped or nothing is left to learn.
+and the refusal when too many were dropped or nothing is left to learn; for a mixture, the same per
+source plus what each source put into the mixture (`MixtureReport`).
 
 A packed block stream finds some drops only while training (every bad row of a streamed dataset,
 and every conversation the masking cannot train on): its readers' counts, summed over ranks after
@@ -94,6 +95,9 @@ class DataReport:
                 "read_while_training": None if self.stream_rows is None else
                 {"rows": self.stream_rows, "dropped": dict(self.stream_dropped)}}
 
+    def mlflow_params(self) -> dict[str, Any]:
+        return report_params(self.as_dict())
+
     def format(self) -> str:
         if self.streamed:
             return (f"[data] {self.source}: streamed; bad rows are dropped as they are read, and logged (the 1st, "
@@ -119,3 +123,90 @@ class DataReport:
                 f"{max_dropped_share}.\n{self.format()}\nFix the rows, check dataset_format, or raise "
                 "max_dropped_share if dropping them is intended."
             )
+
+
+def report_params(summary: dict[str, Any], prefix: str = "data.") -> dict[str, Any]:
+    """A report's counts (`as_dict()`) as MLflow params."""
+    return {f"{prefix}rows": summary["rows"], f"{prefix}kept": summary["kept"],
+            f"{prefix}truncated": summary["truncated"],
+            **{f"{prefix}dropped.{reason}": count for reason, count in summary["dropped"].items()}}
+
+
+@dataclass
+class SourceReport:
+    """One source of a mixture: its checked rows (DataReport) and what it put into the mixture."""
+
+    checked: DataReport
+    fraction: float | None = None
+    available_rows: int = 0  # kept training rows (after held-out rows, drops and masking)
+    mixture_rows: int = 0  # rows drawn into the mixture (more than available_rows: repeated)
+    eval_rows: int = 0
+    tokens: int | None = None  # None: counted by the packed stream as it reads
+    supervised_tokens: int | None = None
+
+    @property
+    def times_used(self) -> float:
+        """Rows drawn per training row: below 1 a sample of the source, above 1 it is repeated."""
+        return self.mixture_rows / self.available_rows if self.available_rows else 0.0
+
+
+@dataclass
+class MixtureReport:
+    """The data report of a run built from sources (`mixture.py`): totals as DataReport's, and one entry per source."""
+
+    sources: list[SourceReport] = field(default_factory=list)
+    streamed: bool = False
+
+    def _share(self, source: SourceReport) -> float | None:
+        counted = [s.supervised_tokens for s in self.sources]
+        if None in counted or not sum(counted):
+            return None
+        return source.supervised_tokens / sum(counted)
+
+    def source_dict(self, source: SourceReport) -> dict[str, Any]:
+        share = self._share(source)
+        return {**source.checked.as_dict(), "fraction": source.fraction, "training_rows": source.available_rows,
+                "mixture_rows": source.mixture_rows, "times_used": round(source.times_used, 4),
+                "eval_rows": source.eval_rows, "tokens": source.tokens, "supervised_tokens": source.supervised_tokens,
+                "supervised_token_share": None if share is None else round(share, 6)}
+
+    def as_dict(self) -> dict[str, Any]:
+        dropped = sum((Counter(s.checked.dropped) for s in self.sources), Counter())
+        rows = sum(s.checked.rows for s in self.sources)
+        supervised = [s.supervised_tokens for s in self.sources]
+        return {"source": ", ".join(s.checked.source for s in self.sources), "rows": rows,
+                "kept": rows - sum(dropped.values()), "dropped": dict(dropped),
+                "dropped_share": round(sum(dropped.values()) / rows, 6) if rows else 0.0,
+                "truncated": sum(s.checked.truncated for s in self.sources),
+                "trainable_tokens": None if None in supervised else sum(supervised), "streamed": self.streamed,
+                "eval_rows": sum(s.eval_rows for s in self.sources),
+                "sources": [self.source_dict(s) for s in self.sources]}
+
+    def mlflow_params(self) -> dict[str, Any]:
+        summary = self.as_dict()
+        params = {**report_params(summary), "data.eval_rows": summary["eval_rows"]}
+        for index, source in enumerate(summary["sources"]):
+            prefix = f"data.source{index}."
+            params.update(report_params(source, prefix))
+            params.update({prefix + key: source[key] for key in ("mixture_rows", "times_used", "eval_rows", "tokens",
+                                                                 "supervised_tokens", "supervised_token_share")})
+        return params
+
+    def format(self) -> str:
+        lines = []
+        for index, source in enumerate(self.sources):
+            entry = self.source_dict(source)
+            lines.append(source.checked.format().replace("[data] ", f"[data] source {index} ", 1))
+            repeated = f", repeated {entry['times_used']:.2f}x" if source.times_used > 1 else ""
+            share = entry["supervised_token_share"]
+            counted = (f"{entry['tokens']:,} tokens, {entry['supervised_tokens']:,} supervised "
+                       f"({share:.1%} of the mixture's)" if share is not None else "tokens counted by the packed stream")
+            drawn = ("streamed" if self.streamed else
+                     f"{source.mixture_rows:,} of {source.available_rows:,} training rows{repeated}")
+            fraction = f" (fraction {source.fraction})" if source.fraction is not None else ""
+            lines.append(f"  in the mixture: {drawn}{fraction}, {counted}; eval rows {source.eval_rows:,}")
+        return "\n".join(lines)
+
+    def enforce(self, max_dropped_share: float) -> None:
+        for source in self.sources:
+            source.checked.enforce(max_dropped_share)

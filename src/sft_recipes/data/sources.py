@@ -11,10 +11,13 @@ with the blocks it sends (`RankLocalBlockStream`), and the run sums every reader
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
 import logging
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +46,9 @@ def load_raw_dataset(data_args) -> Dataset | IterableDataset:
             raise RecipeError(f"Cannot read {path}: use one of {sorted(LOCAL_BUILDERS)}.")
         dataset = load_dataset(builder, data_files={split: str(path)}, split=split, streaming=data_args.dataset_streaming)
     elif path.is_dir():
-        dataset = load_dataset(str(path), split=split, streaming=data_args.dataset_streaming)
+        dataset = load_dataset(str(path), split=split, streaming=data_args.dataset_streaming,
+                               data_dir=getattr(data_args, "dataset_data_dir", None),
+                               data_files=getattr(data_args, "dataset_data_files", None))
     elif name.startswith((".", "/")) or path.suffix in LOCAL_BUILDERS:
         raise RecipeError(f"Dataset file not found: {path} (dataset_name). Check the path relative to {Path.cwd()}.")
     else:
@@ -53,7 +58,11 @@ def load_raw_dataset(data_args) -> Dataset | IterableDataset:
             split=split,
             revision=data_args.dataset_revision,
             streaming=data_args.dataset_streaming,
+            data_dir=getattr(data_args, "dataset_data_dir", None),
+            data_files=getattr(data_args, "dataset_data_files", None),
         )
+    if columns := getattr(data_args, "dataset_columns", None):
+        dataset = dataset.select_columns(columns)
     if data_args.max_train_samples is not None:
         if isinstance(dataset, IterableDataset):
             dataset = dataset.take(data_args.max_train_samples)
@@ -194,3 +203,94 @@ def load_checked_dataset(data_args, mark_bad_rows: bool = False) -> tuple[Datase
     if report.dropped:
         dataset = dataset.select([index for index, problem in enumerate(problems) if problem is None])
     return dataset, report
+
+
+# ── Mixture entries (`datasets:`, `eval_datasets:`) ─────────────────────────────────────────────
+
+@dataclass(frozen=True)
+class DatasetSource:
+    """One entry of a recipe's `datasets:` (or `eval_datasets:`) list: TRL 1.16's `DatasetConfig`
+    (`path`, `name`, `data_dir`, `data_files`, `split`, `columns`, `fraction`) plus the dataset
+    `revision` to pin and the `dataset_format` its rows are in."""
+
+    path: str
+    dataset_format: str
+    name: str | None = None
+    data_dir: str | None = None
+    data_files: str | list[str] | dict[str, str] | None = None
+    split: str = "train"
+    columns: list[str] | None = None
+    fraction: float | None = None
+    revision: str | None = None
+
+    @property
+    def label(self) -> str:
+        """How the data report names this source."""
+        return f"{self.path}:{self.name}" if self.name else self.path
+
+    def as_data_args(self, streaming: bool, max_rows: int | None = None) -> SourceArguments:
+        """This source in the shape the single-dataset loaders read (`DataArguments`' dataset_* names)."""
+        return SourceArguments(
+            dataset_name=self.path, dataset_config=self.name, dataset_train_split=self.split,
+            dataset_revision=self.revision, dataset_format=self.dataset_format, dataset_streaming=streaming,
+            max_train_samples=max_rows, dataset_data_dir=self.data_dir, dataset_data_files=self.data_files,
+            dataset_columns=self.columns,
+        )
+
+
+@dataclass
+class SourceArguments:
+    dataset_name: str
+    dataset_config: str | None
+    dataset_train_split: str
+    dataset_revision: str | None
+    dataset_format: str
+    dataset_streaming: bool
+    max_train_samples: int | None
+    dataset_data_dir: str | None
+    dataset_data_files: Any
+    dataset_columns: list[str] | None
+
+
+SOURCE_KEYS = tuple(f.name for f in dataclasses.fields(DatasetSource))
+
+
+def parse_sources(entries: Any, key: str, default_format: str) -> list[DatasetSource]:
+    """A recipe's list of dataset entries -> sources; RecipeError naming every problem and its fix."""
+    if not isinstance(entries, list) or not entries:
+        raise RecipeError(f"'{key}' must be a non-empty list of entries such as "
+                          f"{{path: data/samples/alpaca.jsonl, dataset_format: alpaca, fraction: 0.7}}")
+    problems, sources = [], []
+    for number, entry in enumerate(entries):
+        where = f"{key}[{number}]"
+        if not isinstance(entry, dict):
+            problems.append(f"{where} must be a mapping with at least `path`, got {entry!r}")
+            continue
+        for unknown in sorted(set(entry) - set(SOURCE_KEYS)):
+            close = difflib.get_close_matches(unknown, SOURCE_KEYS, n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else f" (keys: {', '.join(SOURCE_KEYS)})"
+            problems.append(f"{where}: unknown key '{unknown}'{hint}")
+        values = {k: v for k, v in entry.items() if k in SOURCE_KEYS}
+        values.setdefault("dataset_format", default_format)
+        if not isinstance(values.get("path"), str) or not values["path"]:
+            problems.append(f"{where} needs `path`: a Hub dataset id or a local file/folder")
+        if values["dataset_format"] not in FORMATS:
+            problems.append(f"{where}: dataset_format must be one of {list(FORMATS)}, got {values['dataset_format']!r}")
+        fraction = values.get("fraction")
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                     or fraction <= 0):
+            problems.append(f"{where}: fraction must be a number > 0 (its share of the mixture), got {fraction!r}")
+        for name in ("name", "data_dir", "split", "revision"):
+            if values.get(name) is not None and not isinstance(values[name], str):
+                problems.append(f"{where}: {name} must be a string, got {values[name]!r}")
+        columns = values.get("columns")
+        if columns is not None and not (isinstance(columns, list) and all(isinstance(c, str) for c in columns)):
+            problems.append(f"{where}: columns must be a list of column names, got {columns!r}")
+        if not problems:
+            sources.append(DatasetSource(**values))
+    given = [entry.get("fraction") is not None for entry in entries if isinstance(entry, dict)]
+    if any(given) and not all(given):
+        problems.append(f"{key}: give `fraction` on every entry or on none (as TRL's DatasetMixtureConfig)")
+    if problems:
+        raise RecipeError("; ".join(problems))
+    return sources

@@ -23,6 +23,7 @@ class RunSummaryCallback(TrainerCallback):
         self.last_metrics: dict[str, float] = {}  # the newest throughput/packing figures logged
         self.world_size = 1
         self.world_size_at_checkpoint: int | None = None  # set before training when resuming
+        self.eval_losses: dict[int, float] = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.world_size = args.world_size
@@ -50,6 +51,8 @@ class RunSummaryCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses[state.global_step] = float(logs["loss"])
+        if logs and "eval_loss" in logs:
+            self.eval_losses[state.global_step] = float(logs["eval_loss"])
         for key in ("packing_efficiency", "tokens_per_second_per_device", "mfu", "peak_memory_gib"):
             if logs and key in logs:
                 self.last_metrics[key] = float(logs[key])
@@ -68,6 +71,8 @@ class RunSummaryCallback(TrainerCallback):
             "seconds_per_step": round(sum(self.step_seconds) / steps_run, 4) if steps_run else None,
             "final_loss": self.losses[max(self.losses)] if self.losses else None,
             "losses": {str(step): loss for step, loss in sorted(self.losses.items())},
+            "eval_loss": self.eval_losses[max(self.eval_losses)] if self.eval_losses else None,
+            "eval_losses": {str(step): loss for step, loss in sorted(self.eval_losses.items())},
             "packing_efficiency": self.last_metrics.get("packing_efficiency"),
             "tokens_per_second_per_device": self.last_metrics.get("tokens_per_second_per_device"),
             "mfu": self.last_metrics.get("mfu"),
@@ -87,7 +92,8 @@ class RunSummaryCallback(TrainerCallback):
         mfu = f", MFU {report['mfu']:.1%}" if report["mfu"] else ""
         then, now = report["world_size_at_checkpoint"], report["world_size"]
         moved = f", resumed on {now} process(es) from {then}" if then not in (None, now) else ""
+        eval_loss = f", eval loss={report['eval_loss']:.4f}" if report.get("eval_loss") is not None else ""
         return (
             f"[train] {report['steps']} steps in {report['train_seconds']:.1f}s ({per_step}{throughput}{mfu}), "
-            f"final loss={loss}{moved} | checkpoint: {report['checkpoint']}"
+            f"final loss={loss}{eval_loss}{moved} | checkpoint: {report['checkpoint']}"
         )

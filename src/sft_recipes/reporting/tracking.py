@@ -13,7 +13,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from sft_recipes.data.report import DataReport
+from sft_recipes.data.report import DataReport, MixtureReport
 
 DEFAULT_STORE = "mlruns.db"
 SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "DATABRICKS_TOKEN", "MLFLOW_TRACKING_TOKEN")
@@ -61,7 +61,7 @@ class DataReportCallback(TrainerCallback):
     A packed stream counts its drops while training: the file is written again at the end with them.
     """
 
-    def __init__(self, report: DataReport) -> None:
+    def __init__(self, report: DataReport | MixtureReport) -> None:
         self.report = report
 
     def _write(self, args) -> dict:
@@ -83,7 +83,4 @@ class DataReportCallback(TrainerCallback):
         import mlflow
 
         if mlflow.active_run() is not None:
-            mlflow.log_params({
-                "data.rows": summary["rows"], "data.kept": summary["kept"], "data.truncated": summary["truncated"],
-                **{f"data.dropped.{reason}": count for reason, count in summary["dropped"].items()},
-            })
+            mlflow.log_params(self.report.mlflow_params())

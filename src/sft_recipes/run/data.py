@@ -1,4 +1,5 @@
-"""Rows -> what the trainer trains on: the train dataset (or packed block stream), its collator, the report."""
+"""Rows -> what the trainer trains on: the train dataset (or packed block stream), its collator, the eval
+rows, the report. A mixture or any eval data is read by `data/mixture.py`; one dataset without eval directly."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from sft_recipes.data.audit import audit_dataset, format_report
 from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
 from sft_recipes.data.collator import BlockDiagonalCollator
 from sft_recipes.data.formats import CHAT_FORMATS
-from sft_recipes.data.report import DataReport
+from sft_recipes.data.mixture import SourceData, build_source_data, describe_eval, uses_source_pipeline
+from sft_recipes.data.report import DataReport, MixtureReport
 from sft_recipes.data.sources import load_checked_dataset, without_marked_rows
 from sft_recipes.errors import RecipeError
 from sft_recipes.reporting.samples import sample_prompts_for_run
@@ -25,24 +27,38 @@ class RunData:
     train: Dataset | IterableDataset | None  # what TRL prepares; None when the run trains on `block_stream`
     block_stream: RankLocalBlockStream | None  # this rank's packed blocks (`pack_blocks: true`)
     collator: Callable | None  # the one that goes with the blocks; None: TRL's own
-    report: DataReport
+    report: DataReport | MixtureReport
     sample_prompts: list[str]  # answered before and after training (samples.md); [] = none
     # With a block stream: takes its counts summed over ranks after every step, refuses too many drops
     count_stream: Callable | None = None
+    eval: Dataset | None = None  # held-out or eval_datasets rows: tokenized, or packed whole into blocks
+
+
+def source_data(run: Run, tokenizer) -> SourceData:
+    """The recipe's sources read as this run tokenizes (conversations left for the block stream when it packs)."""
+    training = run.recipe.training
+    return build_source_data(run.recipe.data, run.tokenization, tokenizer, training.seed,
+                             training.max_length if run.packs_blocks else None)
 
 
 def build_data(run: Run, tokenizer) -> RunData:
     """Read the rows (bad ones dropped and counted), turn them into tokens + labels through their format,
     and refuse to train when too many were dropped or nothing is left to learn."""
     data_args, training = run.recipe.data, run.recipe.training
-    # A block stream counts a stream's bad rows where it reads them, so they stay in it, flagged.
-    rows, report = load_checked_dataset(data_args, mark_bad_rows=run.packs_blocks)
-    good_rows = without_marked_rows(rows) if run.packs_blocks and report.streamed else rows
-    sample_prompts = sample_prompts_for_run(training, good_rows, data_args.dataset_format)
     fmt, tokenization = run.data_format, run.tokenization
-    train, block_stream, collator, count_stream = None, None, None, None
+    from_sources = uses_source_pipeline(data_args)
+    train, block_stream, collator, count_stream, eval_rows = None, None, None, None, None
     with global_then_local_main_first():  # prepared once per datasets cache (shared or node-local), not per rank
-        fmt.check_trainable(good_rows, tokenizer, tokenization)
+        if from_sources:  # per-source formats and shares, held-out eval rows, per-source report
+            sources = source_data(run, tokenizer)
+            rows, eval_rows, report = sources.train, sources.eval, sources.report
+            sample_prompts = list(training.sample_prompts or [])  # a mixture's rows are tokens already
+        else:
+            # A block stream counts a stream's bad rows where it reads them, so they stay in it, flagged.
+            rows, report = load_checked_dataset(data_args, mark_bad_rows=run.packs_blocks)
+            good_rows = without_marked_rows(rows) if run.packs_blocks and report.streamed else rows
+            sample_prompts = sample_prompts_for_run(training, good_rows, data_args.dataset_format)
+            fmt.check_trainable(good_rows, tokenizer, tokenization)
         if run.packs_blocks:  # each rank (x dataloader worker) reads and tokenizes its own shard
             block_stream = RankLocalBlockStream(
                 rows, tokenizer, training.max_length, *run.data_reader,
@@ -51,14 +67,17 @@ def build_data(run: Run, tokenizer) -> RunData:
             )
             collator = collate_blocks(BlockDiagonalCollator(training.max_length, tokenizer.pad_token_id,
                                                             block_per_row=True))
-            count_stream = partial(report.count_stream, max_dropped_share=data_args.max_dropped_share)
-        else:
-            train = fmt.prepare(rows, tokenizer, tokenization, report)
+            if not from_sources:  # a mixture's report counts per source, up front
+                count_stream = partial(report.count_stream, max_dropped_share=data_args.max_dropped_share)
+        else:  # a mixture's rows are tokens + labels already
+            train = rows if from_sources else fmt.prepare(rows, tokenizer, tokenization, report)
     if run.is_main:
         print(report.format(), flush=True)
+        if from_sources:
+            print(describe_eval(eval_rows), flush=True)
     report.enforce(data_args.max_dropped_share)
     return RunData(train=train, block_stream=block_stream, collator=collator, report=report,
-                   sample_prompts=sample_prompts, count_stream=count_stream)
+                   sample_prompts=sample_prompts, count_stream=count_stream, eval=eval_rows)
 
 
 def audit_data(run: Run, tokenizer, n: int) -> str:
@@ -68,6 +87,9 @@ def audit_data(run: Run, tokenizer, n: int) -> str:
             f"--audit-data shows chat assistant masks, and {run.recipe.source} has dataset_format: "
             f"{run.data_format.name}; use it with a chat recipe (dataset_format one of {list(CHAT_FORMATS)})."
         )
+    if run.recipe.data.datasets:
+        raise RecipeError("--audit-data reads one dataset: audit each chat source of the mixture with "
+                          "--datasets null --dataset_name PATH --dataset_format FORMAT.")
     rows, _ = load_checked_dataset(run.recipe.data)
     tokenization = run.tokenization
     return format_report(audit_dataset(rows, tokenizer, n, max_length=tokenization.max_length,

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from sft_recipes.distributed import set_fsdp_reduce_dtype, verify_distributed
+from sft_recipes.evaluation import evaluated_at_last_step
 from sft_recipes.fault import fault_tolerance_callbacks
 from sft_recipes.fault.resume import recipe_identity
 from sft_recipes.fault.world_size import log_world_size_change
@@ -33,12 +34,15 @@ class Training:
     sample_prompts: list[str] = field(default_factory=list)  # answered again by the export at the finish
 
     def run(self) -> None:
-        """Train, from `resumed_from` when the run continues a checkpoint (chosen by `start_run`)."""
+        """Train, from `resumed_from` when the run continues a checkpoint (chosen by `start_run`); with eval data,
+        end on an eval loss of the final weights (unless the last step was just evaluated, or eval_strategy is no)."""
         if self.resumed_from:
             self.summary.world_size_at_checkpoint = log_world_size_change(self.resumed_from, self.trainer.args)
         start = time.perf_counter()
         self.trainer.train(resume_from_checkpoint=self.resumed_from)
         self.seconds = time.perf_counter() - start
+        if self.trainer.eval_dataset is not None and not evaluated_at_last_step(self.trainer.state):
+            self.trainer.evaluate()
 
 
 def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Training:
@@ -56,6 +60,7 @@ def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Traini
         model=built.model,
         args=training_args,
         train_dataset=data.train,
+        eval_dataset=data.eval,
         block_stream=data.block_stream,
         count_stream=data.count_stream,  # drops summed over ranks, max_dropped_share enforced while training
         data_collator=data.collator,

@@ -1,0 +1,270 @@
+"""Training (and eval) rows from one source or a weighted mixture: TRL's `datasets:` recipe key, extended.
+
+Recipe keys (DataArguments): `datasets` (TRL 1.16 `DatasetConfig` entries: path, name, data_dir,
+data_files, split, columns, fraction; plus `revision` and `dataset_format` per entry), `streaming`,
+`test_split_size` (TRL's names), `eval_datasets` (explicit eval sources, entries of the same shape)
+and `mixture_strategy`. The single-dataset keys (`dataset_name` ...) stay: they are a one-entry mixture.
+
+- `fraction` is TRL 1.16's: the source's target share of the mixture's rows, normalised over the
+  entries, given on every entry or on none (none: every source whole, as TRL concatenates them).
+- How many rows the mixture has is `mixture_strategy`, named and meant as datasets'
+  `interleave_datasets(stopping_strategy=...)`: `first_exhausted` (default, TRL's rule) is the
+  largest mixture in which no source is repeated; `all_exhausted` is the smallest in which every
+  source is used whole, so a source whose share asks for more rows than it has is repeated (the
+  report says how often). Map-style rows are drawn with the recipe's `seed` and the sources
+  shuffled together (TRL concatenates A then B).
+- Streamed (`streaming` or `dataset_streaming`): the sources are interleaved with the normalised
+  fractions as probabilities, seeded, under the same `mixture_strategy`. `first_exhausted` is the
+  default because a stream is not counted up front: stopping at the first source to run out keeps
+  the shares true without silently cycling a small source thousands of times under a large one.
+  Packed runs read the mixed rows through the usual per-rank x worker readers
+  (`RankLocalBlockStream`, built by `sft_recipes.run.data`); its shared stop ends the pass when the
+  first reader runs out.
+- Each source becomes `input_ids` + `labels` through its own format (`DatasetFormat.to_tokens`), so
+  alpaca, text and chat sources mix; packed runs (`pack_blocks`) mix chat sources, as conversations.
+- Eval rows: `eval_datasets`, or each source's rows held out by `test_split_size`
+  (`data/heldout.py`, by row hash, before any row is drawn for training). With `pack_blocks` the
+  eval rows are packed whole into block-diagonal blocks by the training packer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from datasets import Dataset, Features, IterableDataset, List, Value, concatenate_datasets, interleave_datasets
+
+from sft_recipes.data.blocks import IGNORE_INDEX, fill_blocks
+from sft_recipes.data.formats import CHAT_FORMATS, FORMATS, Tokenization
+from sft_recipes.data.heldout import split_held_out
+from sft_recipes.data.masking import KEPT, tokenize_conversations
+from sft_recipes.data.report import DataReport, MixtureReport, SourceReport
+from sft_recipes.data.sources import DatasetSource, load_checked_dataset, parse_sources
+from sft_recipes.errors import RecipeError
+
+
+# ── Recipe keys ─────────────────────────────────────────────────────────────────────────────────
+
+def is_streamed(data_args) -> bool:
+    return bool(data_args.streaming or data_args.dataset_streaming)  # one flag once DataArguments is built
+
+
+def training_sources(data_args) -> list[DatasetSource]:
+    """The recipe's sources: its `datasets` entries, or `dataset_name` as the only one."""
+    if data_args.datasets:
+        return parse_sources(data_args.datasets, "datasets", data_args.dataset_format)
+    return [DatasetSource(path=data_args.dataset_name, dataset_format=data_args.dataset_format,
+                          name=data_args.dataset_config, split=data_args.dataset_train_split,
+                          revision=data_args.dataset_revision)]
+
+
+def eval_sources(data_args) -> list[DatasetSource]:
+    if not data_args.eval_datasets:
+        return []
+    return parse_sources(data_args.eval_datasets, "eval_datasets", data_args.dataset_format)
+
+
+def uses_source_pipeline(data_args) -> bool:
+    """Whether this module builds the data (a mixture, or any eval data); else the single-dataset path."""
+    return bool(data_args.datasets or data_args.eval_datasets or data_args.test_split_size)
+
+
+def check_data_sources(data_args) -> None:
+    """RecipeError naming every problem with the data-source keys of a recipe (run by DataArguments)."""
+    problems = []
+    if data_args.datasets and data_args.dataset_name:
+        problems.append("give either dataset_name (one dataset) or datasets (a mixture), not both")
+    if not data_args.datasets and not data_args.dataset_name:
+        problems.append("no training data: set dataset_name, or datasets: [{path: ..., dataset_format: ...}, ...]")
+    if data_args.datasets and data_args.max_train_samples is not None:
+        problems.append("max_train_samples caps a single dataset; in a mixture give each source a fraction")
+    size = data_args.test_split_size
+    if size is not None and not 0 < size < 1:
+        problems.append(f"test_split_size is the share of rows held out for eval, in (0, 1); got {size}")
+    if size is not None and data_args.eval_datasets:
+        problems.append("give either eval_datasets or test_split_size as the eval data, not both")
+    for key, read in (("datasets", training_sources), ("eval_datasets", eval_sources)):
+        if key == "datasets" and data_args.datasets is None:
+            continue
+        try:
+            sources = read(data_args)
+        except RecipeError as err:
+            problems.append(str(err))
+            continue
+        if key == "eval_datasets" and any(source.fraction is not None for source in sources):
+            problems.append("eval_datasets: `fraction` is not used for eval (every eval row counts); remove it")
+        if data_args.pack_blocks:
+            problems += [f"{key}: {source.label} has dataset_format {source.dataset_format!r}; pack_blocks packs "
+                         f"chat conversations ({' or '.join(CHAT_FORMATS)})"
+                         for source in sources if source.dataset_format not in CHAT_FORMATS]
+    if data_args.datasets and is_streamed(data_args) and not data_args.pack_blocks:
+        problems.append("a streamed mixture is read by the packed stream: set pack_blocks: true (chat sources), "
+                        "or streaming: false")
+    if problems:
+        raise RecipeError("; ".join(problems))
+
+
+# ── Shares ──────────────────────────────────────────────────────────────────────────────────────
+
+def mixture_rows(sizes: list[int], fractions: list[float | None], strategy: str) -> list[int]:
+    """Rows of each source in the mixture (see the module docstring). No fractions: every source whole."""
+    if any(fraction is None for fraction in fractions):
+        return list(sizes)
+    weights = [fraction / sum(fractions) for fraction in fractions]
+    limits = [size / weight for size, weight in zip(sizes, weights)]
+    total = min(limits) if strategy == "first_exhausted" else max(limits)
+    return [round(weight * total) for weight in weights]
+
+
+def draw_rows(dataset: Dataset, rows: int, seed: int) -> Dataset:
+    """`rows` rows of `dataset`: whole copies while it has too few, then a seeded sample of the rest."""
+    copies, rest = divmod(rows, len(dataset)) if len(dataset) else (0, 0)
+    sample = dataset.shuffle(seed=seed).select(range(rest))
+    return concatenate_datasets([dataset] * copies + [sample]) if copies else sample
+
+
+def token_counts(dataset: Dataset) -> tuple[int, int]:
+    """(tokens, supervised tokens) of `input_ids` + `labels` rows. Supervised: the tokens the causal-LM
+    loss is taken over, so a label on a row's first token (nothing predicts it) does not count."""
+    tokens = supervised = 0
+    for batch in dataset.select_columns(["labels"]).iter(batch_size=10_000):
+        for labels in batch["labels"]:
+            tokens += len(labels)
+            supervised += len(labels) - 1 - labels[1:].count(IGNORE_INDEX) if labels else 0
+    return tokens, supervised
+
+
+# ── Building ────────────────────────────────────────────────────────────────────────────────────
+
+@dataclass
+class SourceData:
+    """What the sources give a run: training rows (`input_ids` + `labels`, or the conversations a
+    packed stream reads), eval rows (tokenized, or packed blocks), and the per-source report."""
+
+    train: Dataset | IterableDataset
+    eval: Dataset | None
+    report: MixtureReport
+
+
+def _load(source: DatasetSource, streaming: bool, max_rows: int | None = None
+          ) -> tuple[Dataset | IterableDataset, DataReport]:
+    rows, report = load_checked_dataset(source.as_data_args(streaming, max_rows))
+    report.source = source.label
+    return rows, report
+
+
+def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: int, block_length: int | None = None
+                      ) -> SourceData:
+    """Train and eval rows from the recipe's sources, with the per-source report. `block_length`: the
+    packed block size when the run packs (`pack_blocks`); the training rows then stay conversations."""
+    streaming = is_streamed(data_args)
+    packs = data_args.pack_blocks
+    report = MixtureReport(streamed=streaming)
+    train_parts, eval_parts = [], []
+    for source in training_sources(data_args):
+        fmt = FORMATS[source.dataset_format]
+        rows, checked = _load(source, streaming, None if data_args.datasets else data_args.max_train_samples)
+        entry = SourceReport(checked=checked, fraction=source.fraction)
+        report.sources.append(entry)
+        if data_args.test_split_size:
+            rows, held_out = split_held_out(rows, data_args.test_split_size)
+            entry.eval_rows = len(held_out)
+            if len(held_out) == 0:
+                raise RecipeError(f"test_split_size={data_args.test_split_size} holds out no row of {source.label}: "
+                                  "raise it, or give eval_datasets.")
+            eval_parts.append((source, held_out))
+        if packs:  # the packed stream reads and tokenizes the conversations
+            fmt.check_trainable(rows, tokenizer, tokenization)
+        else:
+            rows = fmt.to_tokens(rows, tokenizer, tokenization, checked)
+        train_parts.append(rows)
+    for source in eval_sources(data_args):
+        rows, _ = _load(source, streaming=False)  # eval data is finite: read whole, never streamed
+        eval_parts.append((source, rows))
+    entries = report.sources
+    if streaming:
+        train = _interleaved(train_parts, [s.fraction for s in entries], data_args.mixture_strategy, seed)
+    else:
+        if packs:
+            train_parts = with_aligned_messages(train_parts)
+        counts = mixture_rows([len(part) for part in train_parts], [s.fraction for s in entries],
+                              data_args.mixture_strategy)
+        drawn = [draw_rows(part, count, seed + index) for index, (part, count) in enumerate(zip(train_parts, counts))]
+        for entry, part, count, rows in zip(entries, train_parts, counts, drawn):
+            entry.available_rows, entry.mixture_rows = len(part), count
+            if not packs:
+                entry.tokens, entry.supervised_tokens = token_counts(rows)
+        train = concatenate_datasets(drawn).shuffle(seed=seed) if len(drawn) > 1 else drawn[0]
+    return SourceData(train, _eval_dataset(eval_parts, packs, tokenization, tokenizer, block_length), report)
+
+
+def with_aligned_messages(parts: list[Dataset]) -> list[Dataset]:
+    """Sources' `messages` cast to one Arrow type, the union of their message fields (a reasoning
+    source adds `thinking`), so that `datasets` can concatenate them."""
+    parts = [part.select_columns(["messages"]) for part in parts]
+    fields: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.features["messages"].feature.items():
+            if fields.get(key, Value("null")) == Value("null"):
+                fields[key] = value
+    features = Features({"messages": List(fields)})
+    return [part if part.features == features else part.cast(features) for part in parts]
+
+
+def _encode_messages(row: dict[str, Any]) -> dict[str, str]:
+    return {"messages_json": json.dumps(row["messages"], default=str, ensure_ascii=False)}
+
+
+def _decode_messages(row: dict[str, str]) -> dict[str, Any]:
+    return {"messages": json.loads(row["messages_json"])}
+
+
+def _interleaved(streams: list[IterableDataset], fractions: list[float | None], strategy: str, seed: int
+                 ) -> IterableDataset:
+    """One seeded stream drawing from every source with the normalised fractions as probabilities.
+
+    A stream's types are not known before it is read, and `datasets` refuses to interleave sources
+    whose messages differ in their fields (a reasoning source's `thinking`): the conversations travel
+    through the interleave as JSON text and are read back after it."""
+    streams = [stream.select_columns(["messages"]) for stream in streams]
+    if len(streams) == 1:
+        return streams[0]
+    encoded = [stream.map(_encode_messages, remove_columns=["messages"]) for stream in streams]
+    probabilities = None if None in fractions else [fraction / sum(fractions) for fraction in fractions]
+    mixed = interleave_datasets(encoded, probabilities=probabilities, seed=seed, stopping_strategy=strategy)
+    return mixed.map(_decode_messages, remove_columns=["messages_json"])
+
+
+def eval_blocks(rows: Dataset, tokenizer, block_length: int, template_kwargs: dict[str, Any] | None = None
+                ) -> Dataset:
+    """Eval conversations packed whole (never split, so each keeps its full context) into
+    block-diagonal blocks by the training packer; a conversation longer than `block_length` keeps its
+    first tokens, as an unpacked eval row is truncated."""
+    columns = tokenize_conversations(tokenizer, rows["messages"], None, **(template_kwargs or {}))
+    examples = [{"input_ids": ids, "labels": [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask)]}
+                for ids, mask, reason in zip(columns["input_ids"], columns["assistant_masks"], columns["drop_reason"])
+                if reason == KEPT]
+    return Dataset.from_list(list(fill_blocks(examples, block_length, split_examples=False)))
+
+
+def _eval_dataset(parts: list[tuple[DatasetSource, Dataset]], packs: bool, tokenization: Tokenization, tokenizer,
+                  block_length: int | None) -> Dataset | None:
+    if not parts:
+        return None
+    if packs:
+        messages = concatenate_datasets(with_aligned_messages([rows for _, rows in parts]))
+        return eval_blocks(messages, tokenizer, block_length, tokenization.template_kwargs)
+    # Eval rows are not training rows: their drops go to a report of their own, not to max_dropped_share.
+    return concatenate_datasets([FORMATS[source.dataset_format].to_tokens(rows, tokenizer, tokenization,
+                                                                          DataReport(source=source.label))
+                                 for source, rows in parts])
+
+
+def describe_eval(dataset: Dataset | None) -> str:
+    if dataset is None:
+        return "[data] eval: none (set test_split_size or eval_datasets)"
+    tokens, supervised = token_counts(dataset)
+    what = (f"{sum(map(len, dataset['seq_lengths'])):,} conversations packed whole into {len(dataset):,} blocks"
+            if "seq_lengths" in dataset.column_names else f"{len(dataset):,} rows")
+    return f"[data] eval: {what}, {tokens:,} tokens, {supervised:,} supervised"

@@ -1,0 +1,115 @@
+"""Eval loss is the mean over every supervised eval token: packed or padded, on 1 or 2 processes."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import REPO_ROOT, launch_sft, read_summary
+from sft_recipes.config import TrainingArguments, load_recipe
+from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
+from sft_recipes.data.masking import tokenize_conversations
+from sft_recipes.architectures import prepare_for_packing
+from sft_recipes.data.collator import BlockDiagonalCollator
+from sft_recipes.data.mixture import eval_blocks
+from sft_recipes.loading import load_tokenizer
+from sft_recipes.run import Run
+from sft_recipes.run.data import source_data
+from sft_recipes.tiny import ensure_tiny
+from sft_recipes.trainer import RecipeSFTTrainer
+from test_packing_equivalence import tiny_model
+
+EXAMPLE = REPO_ROOT / "recipes" / "examples" / "tiny_llama_mixture.yaml"
+MAX_LENGTH = 256
+TOLERANCE = 1e-5
+
+
+def tokenizer_of(model_type: str):
+    return load_tokenizer(SimpleNamespace(model_revision=None), ensure_tiny(model_type))  # pad token as sft.py sets it
+
+
+def conversations(count: int) -> list[dict]:
+    lines = (REPO_ROOT / "data" / "samples" / "ultrachat.jsonl").read_text().splitlines()[:count]
+    return [{"messages": json.loads(line)["messages"]} for line in lines]
+
+
+def loss_sum_alone(model, input_ids: list[int], labels: list[int]) -> tuple[float, int]:
+    """(summed loss, target count) of one example run on its own, no padding, no packing."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([input_ids]), use_cache=False).logits[0]
+    targets = torch.tensor(labels[1:])
+    return F.cross_entropy(logits[:-1].double(), targets, ignore_index=-100, reduction="sum").item(), int(
+        (targets != -100).sum())
+
+
+def trainer_for(model, tokenizer, eval_dataset, collator, tmp_path, **train):
+    """A trainer to evaluate with; `train`: its train_dataset or block_stream (the trainer needs one)."""
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=2, max_length=MAX_LENGTH,
+                             use_cpu=True, bf16=False, report_to=[], activation_checkpointing=False)
+    return RecipeSFTTrainer(model=model, args=args, eval_dataset=eval_dataset, data_collator=collator,
+                            processing_class=tokenizer, **train)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5"])
+def test_packed_eval_loss_equals_the_token_mean_of_the_examples_run_alone(model_type, tmp_path):
+    tokenizer = tokenizer_of(model_type)
+    model = tiny_model(model_type, "sdpa")  # qwen3_5: slowly decaying gates, so a leak across examples would show
+    prepare_for_packing(model)
+    rows = Dataset.from_list(conversations(6))  # llama: 5 blocks, qwen3_5: 3, each with a 2-conversation block
+    blocks = eval_blocks(rows, tokenizer, MAX_LENGTH)
+    assert len(blocks) > 2 and max(len(lengths) for lengths in blocks["seq_lengths"]) >= 2  # packed, several batches
+
+    collator = collate_blocks(BlockDiagonalCollator(MAX_LENGTH, tokenizer.pad_token_id, block_per_row=True))
+    stream = RankLocalBlockStream(rows, tokenizer, MAX_LENGTH, rank=0, world_size=1)
+    metrics = trainer_for(model, tokenizer, blocks, collator, tmp_path, block_stream=stream).evaluate()
+
+    columns = tokenize_conversations(tokenizer, rows["messages"], None)
+    sums, counts = zip(*(loss_sum_alone(model, ids[:MAX_LENGTH],
+                                        [t if keep else -100 for t, keep in zip(ids, mask)][:MAX_LENGTH])
+                         for ids, mask in zip(columns["input_ids"], columns["assistant_masks"])))
+    assert metrics["eval_tokens"] == sum(counts)
+    assert abs(metrics["eval_loss"] - sum(sums) / sum(counts)) < TOLERANCE
+
+
+def test_padded_eval_loss_weighs_every_token_not_every_batch(tmp_path):
+    tokenizer = tokenizer_of("llama")
+    model = AutoModelForCausalLM.from_pretrained(ensure_tiny("llama")).float()
+    torch.manual_seed(0)
+    # Three rows with 40, 2 and 9 targets: batches of 2 are [40 + 2] and [9].
+    rows = []
+    for length, targets in ((48, 40), (30, 2), (20, 9)):
+        ids = torch.randint(10, 500, (length,)).tolist()
+        rows.append({"input_ids": ids, "labels": [-100] * (length - targets) + ids[length - targets:]})
+    metrics = trainer_for(model, tokenizer, Dataset.from_list(rows), None, tmp_path,
+                          train_dataset=Dataset.from_list(rows)).evaluate()
+
+    sums, counts = zip(*(loss_sum_alone(model, row["input_ids"], row["labels"]) for row in rows))
+    token_mean = sum(sums) / sum(counts)
+    mean_of_batch_means = ((sums[0] + sums[1]) / (counts[0] + counts[1]) * 2 + sums[2] / counts[2]) / 3
+    assert metrics["eval_tokens"] == 51
+    assert abs(metrics["eval_loss"] - token_mean) < TOLERANCE
+    assert abs(mean_of_batch_means - token_mean) > 1e-3  # what transformers' evaluation_loop would report
+
+
+@pytest.mark.fsdp
+def test_two_process_mixture_run_reports_the_global_token_mean_eval_loss(tmp_path):
+    out = tmp_path / "run"
+    launch_sft(EXAMPLE, "--max_steps", "2", "--eval_steps", "2", "--report_to", "none",
+               "--output_dir", str(out))
+    summary = read_summary(out)
+    assert set(summary["eval_losses"]) == {"2"}  # at eval_steps; the end is step 2, not evaluated twice
+
+    recipe = load_recipe(EXAMPLE)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    eval_rows = source_data(Run(recipe=recipe, source=None, batch_derivation=""), tokenizer).eval
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)  # the exported step-2 weights
+    sums, counts = zip(*(loss_sum_alone(model, row["input_ids"], row["labels"]) for row in eval_rows))
+    assert abs(summary["eval_loss"] - sum(sums) / sum(counts)) < TOLERANCE
+    report = json.loads((out / "data_report.json").read_text())
+    assert [source["mixture_rows"] for source in report["sources"]] == [283, 121]
