@@ -61,6 +61,9 @@ RANGES: dict[str, Range] = {
     "global_batch_size": AT_LEAST_ONE,
     "global_batch_tokens": AT_LEAST_ONE,
     "max_nonfinite_steps_in_a_row": AT_LEAST_ONE,
+    "sequence_parallel_size": Range(1, note="1 turns it off"),
+    "sample_max_new_tokens": AT_LEAST_ONE,
+    "test_split_size": Range(0, 1, low_open=True, high_open=True, note="the share of rows held out for eval"),
     # TRL's ModelConfig / SFTConfig
     "lora_r": AT_LEAST_ONE,
     "lora_alpha": POSITIVE,
