@@ -61,8 +61,9 @@ class DataReportCallback(TrainerCallback):
     A packed stream counts its drops while training: the file is written again at the end with them.
     """
 
-    def __init__(self, report: DataReport | MixtureReport) -> None:
+    def __init__(self, report: DataReport | MixtureReport, counted_while_training: bool = False) -> None:
         self.report = report
+        self.counted_while_training = counted_while_training  # a packed stream's drops: written again at the end
 
     def _write(self, args) -> dict:
         summary = self.report.as_dict()
@@ -71,7 +72,7 @@ class DataReportCallback(TrainerCallback):
         return summary
 
     def on_train_end(self, args, state, control, **kwargs):
-        if state.is_world_process_zero and self.report.stream_rows is not None:
+        if state.is_world_process_zero and self.counted_while_training:
             self._write(args)
 
     def on_train_begin(self, args, state, control, **kwargs):

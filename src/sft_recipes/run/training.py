@@ -68,7 +68,8 @@ def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Traini
         throughput=throughput,  # tokens/s per device, MFU, peak memory in every log
         adapter_checkpoints=built.lora_config is not None,  # checkpoints in PEFT format too
         sequence_parallel=run.sequence_parallel.layout if run.sequence_parallel is not None else None,
-        callbacks=[RecipeParamsCallback(recipe.values), summary, DataReportCallback(data.report),
+        callbacks=[RecipeParamsCallback(recipe.values), summary,
+                   DataReportCallback(data.report, counted_while_training=data.count_stream is not None),
                    *fault_tolerance_callbacks(training_args, recipe_identity(recipe)), *reporting],
     )
     layout = verify_distributed(trainer)
