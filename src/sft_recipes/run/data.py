@@ -52,7 +52,9 @@ def build_data(run: Run, tokenizer) -> RunData:
         if from_sources:  # per-source formats and shares, held-out eval rows, per-source report
             sources = source_data(run, tokenizer)
             rows, eval_rows, report = sources.train, sources.eval, sources.report
-            sample_prompts = list(training.sample_prompts or [])  # a mixture's rows are tokens already
+            # The rows are tokens already: one dataset's prompts come from its raw rows, a mixture's from the recipe.
+            raw = load_checked_dataset(data_args)[0] if not data_args.datasets else []
+            sample_prompts = sample_prompts_for_run(training, raw, data_args.dataset_format)
         else:
             # A block stream counts a stream's bad rows where it reads them, so they stay in it, flagged.
             rows, report = load_checked_dataset(data_args, mark_bad_rows=run.packs_blocks)
