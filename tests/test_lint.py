@@ -110,7 +110,7 @@ def test_rule_stays_quiet_on_a_sound_recipe(rule, tmp_path, monkeypatch):
 def test_sequence_parallel_groups_make_the_global_batch(tmp_path):
     # 16 processes in groups of 4 read 4 streams of blocks: 128 = 4 per group x 4 groups x 8 accumulation
     lint(recipe(tmp_path, global_batch_size=128, pack_blocks=True, sequence_parallel_size=4), world_size=16)
-    with pytest.raises(RecipeError, match="cannot be made on 4 processes"):
+    with pytest.raises(RecipeError, match=r"cannot be made on 16 processes: 4 per device x 4 sequence-parallel groups"):
         lint(recipe(tmp_path, global_batch_size=120, pack_blocks=True, sequence_parallel_size=4), world_size=16)
 
 

@@ -108,8 +108,7 @@ class _TokenizedByTrl(DatasetFormat):
         return lengths, [max(length - prompt, 0) for length, prompt in zip(lengths, prompt_lengths)]
 
     def prepare(self, rows, tokenizer, tokenization, report):
-        max_length = tokenization.max_length
-        if max_length is not None:
+        if tokenization.max_length is not None and isinstance(rows, Dataset):  # a stream is cut by TRL as it goes
             rows = self._apply_length_policy(rows, tokenizer, tokenization, report)
         return self.to_trainable(rows)
 
@@ -215,6 +214,9 @@ class ChatFormat(DatasetFormat):
 
     def prepare(self, rows, tokenizer, tokenization, report):
         """Render and tokenize every conversation once, then cut or drop the overlong ones on that output."""
+        if not isinstance(rows, Dataset):
+            raise RecipeError(f"a streamed dataset with dataset_format: {self.name} needs `pack_blocks: true` (each "
+                              "rank then reads and packs its own shard), or dataset_streaming: false")
         self.check_trainable(rows, tokenizer, tokenization)
         tokenized = rows.map(
             lambda batch: tokenize_conversations(tokenizer, batch["messages"], None, **tokenization.template_kwargs),

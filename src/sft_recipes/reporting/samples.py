@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from sft_recipes.architectures.sequence_parallel import sequence_parallel_suspended
+
 logger = logging.getLogger(__name__)
 
 SAMPLES_FILE = "samples.md"
@@ -100,6 +102,7 @@ def stop_token_ids(model, tokenizer) -> set[int]:
 
 
 @torch.no_grad()
+@sequence_parallel_suspended()  # generation gives each rank whole prompts, never chunks of a packed block
 def greedy_generate(model, prompts_ids: list[list[int]], max_new_tokens: int, stop_ids: set[int], pad_id: int,
                     in_lockstep: bool = False) -> list[list[int]]:
     """Greedy continuations of all prompts at once (left-padded batch, KV cache): one forward call per new token.

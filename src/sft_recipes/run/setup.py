@@ -29,7 +29,7 @@ class Run:
     recipe: Recipe
     source: ModelSource  # the model's config, read once at its revision, and where its files are
     batch_derivation: str  # how gradient accumulation follows from the global batch, every factor shown
-    resume_from: str | None  # the checkpoint this run continues, chosen (and checked) before anything loads
+    resume_from: str | None = None  # the checkpoint this run continues, chosen (and checked) before anything loads
     hub_push: HubPush | None = None  # `push_to_hub`: ours, after the export check (the Trainer's is switched off)
     sequence_parallel: SequenceParallel | None = None  # this rank's group; None: every rank has its own blocks
 
