@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass, field
@@ -54,7 +55,9 @@ def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Traini
     if data.sample_prompts and answers_in_lockstep(training_args):
         reporting.append(BaseSamplesCallback(data.sample_prompts, **sample_settings(recipe)))
     elif data.sample_prompts and run.is_main:  # the model is still whole here: the Trainer shards it in train()
-        write_base_samples(training_args.output_dir, data.sample_prompts, built.model, tokenizer,
+        # On a copy: generating changes the model's state (its cache settings), and rank 0 alone generates, so the
+        # ranks would train different models (seen on gpt-oss + LoRA: the export check failed by 0.70).
+        write_base_samples(training_args.output_dir, data.sample_prompts, copy.deepcopy(built.model), tokenizer,
                            **sample_settings(recipe))
     trainer = RecipeSFTTrainer(
         model=built.model,
