@@ -34,7 +34,8 @@ ROWS, MICRO, GLOBAL = 50, 2, 8  # 50 rows: 6 whole global batches an epoch, 2 ro
 def layout(world_size: int, workers: int = 0) -> SimpleNamespace:
     """Training arguments of a run with the global batch GLOBAL on `world_size` processes."""
     return SimpleNamespace(per_device_train_batch_size=MICRO, world_size=world_size,
-                           gradient_accumulation_steps=GLOBAL // (MICRO * world_size), dataloader_num_workers=workers)
+                           gradient_accumulation_steps=GLOBAL // (MICRO * world_size), dataloader_num_workers=workers,
+                           sequence_parallel_size=1)
 
 
 def rows_per_step(world_size: int, epoch: int, skip_steps: int = 0) -> list[list[int]]:
@@ -110,7 +111,7 @@ def test_a_resume_keeps_the_global_batch_whatever_the_world_size(tmp_path):
     for world_size in (1, 2, 4):  # accumulation 4, 2, 1: the same global batch
         refuse_another_training_layout(checkpoint, layout(world_size))
     fixed_accumulation = SimpleNamespace(per_device_train_batch_size=MICRO, world_size=1, gradient_accumulation_steps=2,
-                                         dataloader_num_workers=0)
+                                         dataloader_num_workers=0, sequence_parallel_size=1)
     with pytest.raises(RecipeError) as error:
         refuse_another_training_layout(checkpoint, fixed_accumulation)
     assert str(error.value).endswith(

@@ -52,6 +52,7 @@ def derive_gradient_accumulation(training_args, world_size: int) -> tuple[int, s
 
 
 def global_batch_sequences(training_args) -> int:
-    """Sequences per optimizer step as the run makes them: per device x processes x accumulation steps."""
-    return (training_args.per_device_train_batch_size * training_args.world_size
-            * training_args.gradient_accumulation_steps)
+    """Sequences per optimizer step as the run makes them: per device x data-parallel groups (processes /
+    sequence_parallel_size) x accumulation steps."""
+    groups = training_args.world_size // training_args.sequence_parallel_size
+    return training_args.per_device_train_batch_size * groups * training_args.gradient_accumulation_steps

@@ -28,10 +28,11 @@ def hardware_of(device: torch.device) -> str:
 def card_facts_for_run(recipe, state, model_path: str | Path, export_check: ExportCheck,
                        data_sources: list[dict] | None = None) -> CardFacts:
     """What the card says about this run: `state` is the Trainer's state; `data_sources` the recipe's sources
-    (default: its one dataset_name/dataset_revision)."""
+    (default: its `datasets:` mixture, weighted by fraction, else its one dataset_name/dataset_revision)."""
     data, model, training = recipe.data, recipe.model, recipe.training
-    sources = data_sources or [{"name": data.dataset_name, "revision": data.dataset_revision,
-                                "split": data.dataset_train_split}]
+    mixture = [{**source, "weight": source.get("fraction")} for source in data.datasets or []]
+    sources = data_sources or mixture or [{"name": data.dataset_name, "revision": data.dataset_revision,
+                                           "split": data.dataset_train_split}]
     return CardFacts(
         base_model=model.model_name_or_path, base_revision=model.model_revision,
         data_sources=data_sources_from(sources), recipe_values=recipe.values, recipe_path=str(recipe.source),

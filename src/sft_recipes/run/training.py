@@ -54,10 +54,13 @@ def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Traini
     reporting = [TrainingCurvesCallback()]  # training_curves.png at each save and at the end
     if data.sample_prompts and answers_in_lockstep(training_args):
         reporting.append(BaseSamplesCallback(data.sample_prompts, **sample_settings(recipe)))
-    elif data.sample_prompts and run.is_main:  # the model is still whole here: the Trainer shards it in train()
+    elif data.sample_prompts and run.is_main and run.sequence_parallel is None:  # the model is still whole here
         # On a copy: generating changes the model's state (its cache settings), and rank 0 alone generates, so the
         # ranks would train different models (seen on gpt-oss + LoRA: the export check failed by 0.70).
-        write_base_samples(training_args.output_dir, data.sample_prompts, copy.deepcopy(built.model), tokenizer,
+        model_copy = copy.deepcopy(built.model)
+        model_copy._forward_pre_hooks.clear()  # the LoRA layout guard is the original's, checked at its first step
+        model_copy._forward_pre_hooks_with_kwargs.clear()
+        write_base_samples(training_args.output_dir, data.sample_prompts, model_copy, tokenizer,
                            **sample_settings(recipe))
     trainer = RecipeSFTTrainer(
         model=built.model,
