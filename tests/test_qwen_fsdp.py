@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import json
 import shutil
 
@@ -102,5 +104,7 @@ def test_a_stream_with_nothing_to_learn_fails_on_every_rank(tmp_path):
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: Refusing to go on"), result.stderr[-3000:]
-    assert result.stderr.count("exitcode  : 2") == 2  # every rank refused (one prints), none hung
+    # torchrun's report: every rank refused (2) or was stopped by torchrun once the first one had (SIGTERM)
+    codes = re.findall(r"exitcode  : (-?\d+)", result.stderr)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, codes
     assert not list(out.glob("checkpoint-*")) and not (out / "model.safetensors").exists()

@@ -155,7 +155,9 @@ def test_too_many_bad_streamed_rows_refuse_on_every_rank_without_a_hang(tmp_path
     assert re.match(r"error: Refusing to go on: (3[5-9]|4[0-5])\.\d\d% of the rows are dropped, more than "
                     r"max_dropped_share=0\.05", errors[0]), errors[0]
     assert "dropped invalid_json " in errors[0] and ", no_assistant_turn " in errors[0], errors[0]
-    assert result.stderr.count("exitcode  : 2") == 2  # torchrun's report: both ranks refused (exit 2)
+    # torchrun's report: every rank refused (2) or was stopped by torchrun once the first one had (SIGTERM)
+    codes = re.findall(r"exitcode  : (-?\d+)", result.stderr)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, codes
     assert not re.search(r'File ".*(sft_recipes|scripts/sft\.py)', result.stderr)  # no traceback of ours
 
 

@@ -25,5 +25,6 @@ def one_line_refusals(main: Callable[[], int]) -> int:
         return main()
     except RecipeError as err:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            # On a line of its own, even after a progress bar that ended with a carriage return and no newline.
+            print(f"\nerror: {err}", file=sys.stderr, flush=True)
         return REFUSED_EXIT_CODE
