@@ -48,6 +48,11 @@ def build_data(run: Run, tokenizer) -> RunData:
     fmt, tokenization = run.data_format, run.tokenization
     from_sources = uses_source_pipeline(data_args)
     train, block_stream, collator, count_stream, eval_rows = None, None, None, None, None
+    if not from_sources:  # read on every rank before any waits on another: a refusal here is every rank's
+        # A block stream counts a stream's bad rows where it reads them, so they stay in it, flagged.
+        rows, report = load_checked_dataset(data_args, mark_bad_rows=run.packs_blocks)
+        good_rows = without_marked_rows(rows) if run.packs_blocks and report.streamed else rows
+        sample_prompts = sample_prompts_for_run(training, good_rows, data_args.dataset_format)
     with global_then_local_main_first():  # prepared once per datasets cache (shared or node-local), not per rank
         if from_sources:  # per-source formats and shares, held-out eval rows, per-source report
             sources = source_data(run, tokenizer)
@@ -56,10 +61,6 @@ def build_data(run: Run, tokenizer) -> RunData:
             raw = load_checked_dataset(data_args)[0] if not data_args.datasets else []
             sample_prompts = sample_prompts_for_run(training, raw, data_args.dataset_format)
         else:
-            # A block stream counts a stream's bad rows where it reads them, so they stay in it, flagged.
-            rows, report = load_checked_dataset(data_args, mark_bad_rows=run.packs_blocks)
-            good_rows = without_marked_rows(rows) if run.packs_blocks and report.streamed else rows
-            sample_prompts = sample_prompts_for_run(training, good_rows, data_args.dataset_format)
             fmt.check_trainable(good_rows, tokenizer, tokenization)
         if run.packs_blocks:  # each rank (x dataloader worker) reads and tokenizes its own shard
             block_stream = RankLocalBlockStream(
