@@ -12,7 +12,7 @@ from sft_recipes.errors import REFUSED_EXIT_CODE, RecipeError, one_line_refusals
 
 def _own_traceback(stderr: str) -> bool:
     """A Python traceback through this project's code (the launcher's own report is not ours)."""
-    return "Traceback" in stderr and ("sft_recipes" in stderr or "scripts/sft.py" in stderr)
+    return re.search(r'File "[^"]*(sft_recipes/|scripts/sft\.py)[^"]*", line', stderr) is not None
 
 
 def test_a_recipe_error_becomes_one_line_and_exit_2(capsys, monkeypatch):
