@@ -11,13 +11,25 @@ are sharded *with* the decoder layer around them: peft's `ParamWrapper` reads th
 without calling their modules, so an FSDP unit of their own is never all-gathered and training
 fails in `get_delta_weight` on the sharded shapes (huggingface/peft#3080). FSDP1 with peft's
 auto-wrap policy builds exactly that layout; `guard_lora_fsdp_layout` refuses it at the first step.
+
+The output head must share an FSDP unit with a module its forward really calls. accelerate 1.15
+(huggingface/accelerate#4015) shards ``[final norm, lm_head]`` as one unit, and looks for the norm
+only among the direct children of ``base_model``. A VLM's text decoder sits one level deeper
+(``Qwen3_5ForConditionalGeneration.model.language_model.norm``), so there ``lm_head`` became a unit of
+its own. TRL's fused LM head reads ``lm_head.weight`` without calling ``lm_head``: the unit was
+never gathered, TRL took the sharded weight's ``full_tensor()``, and its backward left each rank's
+shard with that rank's own gradient, never reduced across ranks -- a silently wrong lm_head update
+on every multi-process Qwen3.5 run (found as SP=2 training unlike one process; step 2 off by 8e-3).
+`group_output_head_with_final_norm` makes accelerate find the text decoder's norm wherever it is.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
+import accelerate.utils.fsdp_utils
 import torch
 from sft_recipes.errors import RecipeError
 
@@ -59,6 +71,33 @@ def pin_fsdp_wrap_classes(model: torch.nn.Module, recipe_classes: list[str] | No
     classes = resolve_fsdp_wrap_classes(model, recipe_classes)
     os.environ[WRAP_CLASSES_ENV] = ",".join(classes)
     return classes
+
+
+def text_decoder_final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The norm before the output head: the last ``*Norm`` child of the one text decoder (the module with
+    ``embed_tokens`` and ``layers``), however deep it is nested; None without one."""
+    decoders = [module for module in model.modules() if hasattr(module, "embed_tokens") and hasattr(module, "layers")]
+    if len(decoders) != 1:
+        return None
+    norms = [child for child in decoders[0].children() if "Norm" in type(child).__name__]
+    return norms[-1] if norms else None
+
+
+def group_output_head_with_final_norm() -> None:
+    """Make accelerate's FSDP2 preparation shard the output head with the text decoder's final norm (idempotent).
+
+    Call before the Trainer prepares the model. Upstream's own answer wins where it finds one.
+    """
+    find = accelerate.utils.fsdp_utils._find_final_norm
+    if getattr(find, "_sft_recipes_text_decoder", False):
+        return
+
+    @functools.wraps(find)
+    def find_final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
+        return find(model) or text_decoder_final_norm(model)
+
+    find_final_norm._sft_recipes_text_decoder = True
+    accelerate.utils.fsdp_utils._find_final_norm = find_final_norm
 
 
 def is_lora_parameter(name: str) -> bool:

@@ -9,7 +9,7 @@ import torch
 
 from sft_recipes.architectures import check_packing_leak, freeze_vision_tower, prepare_for_packing
 from sft_recipes.architectures.sequence_parallel import enable_sequence_parallel
-from sft_recipes.fsdp_wrap import guard_lora_fsdp_layout, pin_fsdp_wrap_classes
+from sft_recipes.fsdp_wrap import group_output_head_with_final_norm, guard_lora_fsdp_layout, pin_fsdp_wrap_classes
 from sft_recipes.lora import apply_lora, build_lora_config
 from sft_recipes.run.setup import Run
 
@@ -35,6 +35,7 @@ def build_model(run: Run) -> RunModel:
     elif run.packs_blocks:
         prepare_for_packing(model)
     wrap_classes = pin_fsdp_wrap_classes(model, training.fsdp_wrap_classes)  # from the model, not guesses
+    group_output_head_with_final_norm()  # else a VLM's lm_head is a unit TRL's fused head never gathers
     lora_config = build_lora_config(model_args) if model_args.use_peft else None
     if lora_config is not None:
         model = apply_lora(model, lora_config, seed=training.seed)  # logs the ranks really applied

@@ -15,9 +15,7 @@ from sft_recipes.fault.resume import protect_output_dir, resolve_resume_checkpoi
 from sft_recipes.lint import LintContext, lint_recipe
 from sft_recipes.loading import ModelSource
 from sft_recipes.reporting.hub import HubPush, take_over_hub_push
-from sft_recipes.run.sequence_parallel import (
-    SequenceParallel, refuse_unverified_sequence_parallel, start_sequence_parallel,
-)
+from sft_recipes.run.sequence_parallel import SequenceParallel, start_sequence_parallel
 
 logger = logging.getLogger("sft")
 
@@ -70,7 +68,6 @@ def start_run(recipe: Recipe) -> Run:
     from, and have the model's files ready."""
     source = ModelSource(recipe.model)
     lint_recipe(recipe, LintContext.from_environment(lambda: source.config))
-    refuse_unverified_sequence_parallel(recipe, source.config)
     training = recipe.training
     hub_push = take_over_hub_push(training)  # before the Trainer exists; a missing id or token refused now
     training.gradient_accumulation_steps, derivation = derive_gradient_accumulation(training, launched_world_size())
