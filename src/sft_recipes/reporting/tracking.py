@@ -78,7 +78,7 @@ class DataReportCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
-        summary = self._write(args)
+        self._write(args)
         if not mlflow_enabled(args):
             return
         import mlflow
