@@ -22,7 +22,7 @@ from sft_recipes.loading import read_model_config
 from sft_recipes.model_math import GPUS, attention_flops_per_token, count_parameters, flops_per_token
 from sft_recipes.config import load_recipe
 from sft_recipes.plan import (
-    GIB, MemoryEstimate, TrainingSetup, activation_bytes_per_token, estimate_memory, estimate_step_time, format_plan,
+    FRAGMENTATION_FRACTION, GIB, MemoryEstimate, TrainingSetup, activation_bytes_per_token, estimate_memory, estimate_step_time, format_plan,
     make_plan, plan_recipe, read_accelerate_config,
 )
 from sft_recipes.tiny import REALWORLD_DIR, tiny_config
@@ -560,16 +560,22 @@ def test_memory_estimate_is_within_the_stated_factor_of_the_measured_peak(
     assert 0.85 <= estimated / measured <= 1.2, f"estimated {estimated / 1e6:.2f} MB, measured {measured / 1e6:.2f} MB"
 
 
-def test_eval_peak_keeps_no_gradients_but_the_full_logits():
-    # qwen27b.yaml evaluates one 32k block per GPU with the model's own loss: the full logits
-    # (T V (2 + 8) bytes, ~76 GiB) make eval, not training, the peak there; at 8k it fits an H100.
+def test_eval_peak_keeps_no_gradients_and_no_full_logits():
+    # qwen27b.yaml evaluates one 32k block per GPU. With the model's own loss the full logits
+    # (T V (2 + 8) bytes, ~76 GiB) made eval, not training, the peak; TRL's fused head, which eval
+    # now uses as training does, holds one 4096 x 32768 tile of them.
     config = read_model_config(QWEN_27B, download=False)
     setup = TrainingSetup(world_size=8, micro_batch_size=1, seq_len=32768, eval_micro_batch_size=1)
     plan = make_plan(config, setup)
-    logits_gib = 32768 * config.text_config.vocab_size * 10 / GIB
     assert make_plan(config, dataclasses.replace(setup, eval_micro_batch_size=None)).eval_gib is None
-    assert plan.eval_gib > plan.memory.total  # eval is this run's peak
-    # The training state without gradients, plus the logits: nothing kept for a backward.
+    assert plan.eval_gib < plan.memory.total  # training is the peak again
+    # The training state without gradients, plus one layer's forward: nothing kept for a backward.
     state = plan.memory.params + plan.memory.optimizer + plan.memory.unsharded_params
-    assert state + logits_gib < plan.eval_gib < state + plan.memory.grads + logits_gib + plan.memory.overhead
-    assert "eval" in format_plan(plan) and make_plan(config, dataclasses.replace(setup, seq_len=8192)).eval_gib < 79.6
+    assert state < plan.eval_gib < state + plan.memory.grads + plan.memory.overhead
+    full_logits = make_plan(config, dataclasses.replace(setup, loss_implementation="full_logits"))
+    logits_gib = 32768 * config.text_config.vocab_size * 10 / GIB
+    assert full_logits.eval_gib - plan.eval_gib > 0.99 * logits_gib * (1 + FRAGMENTATION_FRACTION) - 1
+    assert "eval" in format_plan(plan)
+    # Under SP each rank evaluates whole blocks: the eval peak does not shrink with the SP size.
+    sp = make_plan(config, dataclasses.replace(setup, sequence_parallel_size=4))
+    assert sp.memory.total < plan.memory.total and sp.eval_gib > sp.memory.params + sp.memory.optimizer

@@ -45,11 +45,19 @@ def tiny_llama():
 def test_default_prompts_prefer_held_out_rows_and_read_user_turns():
     train = [{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "train q"}]}]
     held_out = [{"messages": [{"role": "user", "content": f"eval q{i}"}]} for i in range(5)]
-    assert default_sample_prompts(held_out, train, "messages") == ["eval q0", "eval q1", "eval q2"]
-    assert default_sample_prompts(None, train, "messages") == ["train q"]
+    assert default_sample_prompts([(held_out, "messages")], [(train, "messages")]) == ["eval q0", "eval q1", "eval q2"]
+    assert default_sample_prompts([], [(train, "messages")]) == ["train q"]
     alpaca = [{"instruction": "Add.", "input": "2, 3", "output": "5"}, {"instruction": "Hi.", "output": "Hello"}]
-    assert default_sample_prompts([], alpaca, "alpaca", count=2) == ["Add.\n\n2, 3", "Hi."]
-    assert default_sample_prompts(None, [{"text": "plain"}], "text") == []
+    assert default_sample_prompts([], [(alpaca, "alpaca")], count=2) == ["Add.\n\n2, 3", "Hi."]
+    assert default_sample_prompts([], [([{"text": "plain"}], "text")]) == []
+
+
+def test_a_mixture_s_default_prompts_come_from_its_sources_in_turn():
+    alpaca = [{"instruction": f"alpaca q{i}", "output": "a"} for i in range(3)]
+    chat = [{"messages": [{"role": "user", "content": f"chat q{i}"}]} for i in range(3)]
+    assert default_sample_prompts([], [(alpaca, "alpaca"), (chat, "messages")]) == ["alpaca q0", "chat q0", "alpaca q1"]
+    # A source without user turns (plain text) gives none; the others fill in.
+    assert default_sample_prompts([], [([{"text": "t"}], "text"), (chat, "messages")], count=2) == ["chat q0", "chat q1"]
 
 
 def test_markdown_puts_before_and_after_side_by_side():

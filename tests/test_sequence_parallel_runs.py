@@ -14,6 +14,7 @@ import re
 import signal
 
 import pytest
+import yaml
 
 from conftest import REPO_ROOT, assert_resume_reproduces, launch_sft, read_summary
 from fault_helpers import complete, finish, start_run, wait_for, worker_pid
@@ -84,3 +85,23 @@ def test_preempted_run_under_sequence_parallelism_resumes_exactly(tmp_path):
     assert_same_losses(read_summary(reference)["losses"], before)
     launch_sft(llama, *sp_run)
     assert_resume_reproduces(reference, out, stop, atol=1e-4)
+
+
+@pytest.mark.fsdp
+def test_a_packed_mixture_with_held_out_eval_trains_and_evaluates_like_one_process(tmp_path):
+    """gpt-oss twin, a reasoning and a chat source packed together, 10% held out: SP 2 logs one process's
+    losses and eval loss (each rank evaluates its own eval rows whole), and the report counts each source."""
+    recipe = yaml.safe_load((TINY / "gptoss120b.yaml").read_text())
+    del recipe["dataset_name"]
+    recipe.update(datasets=[{"path": "data/samples/multilingual_thinking.jsonl", "dataset_format": "reasoning",
+                             "fraction": 0.5},
+                            {"path": "data/samples/ultrachat.jsonl", "dataset_format": "messages", "fraction": 0.5}],
+                  test_split_size=0.1, pack_blocks=True, eval_strategy="steps", eval_steps=3)
+    path = tmp_path / "mixture.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    one, shared, _ = _launch_pair(tmp_path, path)
+    assert_same_losses(one["losses"], shared["losses"])
+    assert one["eval_loss"] > 0 and shared["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-4)
+    for run in ("one", "sp2"):
+        sources = json.loads((tmp_path / run / "data_report.json").read_text())["sources"]
+        assert [source["eval_rows"] > 0 and source["supervised_tokens"] > 0 for source in sources] == [True, True]

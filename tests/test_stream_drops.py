@@ -9,16 +9,26 @@ from functools import partial
 from types import SimpleNamespace
 
 import pytest
+import yaml
 import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from conftest import REPO_ROOT, launch_sft
-from sft_recipes.data.blocks import RankLocalBlockStream, StopWhenAnyRankExhausted, StreamStats, collate_blocks
+from sft_recipes.data.blocks import (
+    IGNORE_INDEX,
+    RankLocalBlockStream,
+    SourceCounts,
+    StopWhenAnyRankExhausted,
+    StreamStats,
+    collate_blocks,
+    summed_over_ranks,
+)
 from sft_recipes.data.collator import BlockDiagonalCollator
-from sft_recipes.data.report import MIN_ROWS_BEFORE_DROP_LIMIT, DataReport
+from sft_recipes.data.report import MIN_ROWS_BEFORE_DROP_LIMIT, DataReport, MixtureReport, SourceReport
 from sft_recipes.data.rows import ROW_PROBLEM
 from sft_recipes.data.sources import load_checked_dataset, without_marked_rows
+from sft_recipes.data.stream_reads import StreamedRowDropsCallback
 from sft_recipes.errors import RecipeError
 from sft_recipes.tiny import build_tokenizer
 
@@ -109,8 +119,8 @@ def test_the_packed_share_is_the_map_share_of_the_same_rows():
                             max_dropped_share=0.05)
     assert packed.dropped_share == pytest.approx(mapped.dropped_share) == pytest.approx(0.37)
     message = str(refusal.value)
-    assert message.startswith("Refusing to go on: 37.00% of the rows are dropped, more than max_dropped_share=0.05")
-    assert ("after 30 of 300 rows dropped up front, the packed stream read 270 conversations and dropped "
+    assert message.startswith("Refusing to go on: 37.00% of the rows of x are dropped, more than max_dropped_share=0.05")
+    assert ("after 30 of 300 rows dropped up front, the stream read 270 rows while training and dropped "
             "prefix_mismatch 81") in message
     assert "--audit-data" in message and "raise max_dropped_share" in message
 
@@ -120,7 +130,7 @@ def test_the_running_share_waits_for_enough_rows_unless_the_stream_ended():
     below = StreamStats(conversations=MIN_ROWS_BEFORE_DROP_LIMIT - 1, dropped={"invalid_json": 60})
     report.count_stream(below, stream_ended=False, max_dropped_share=0.05)  # too few rows to judge yet
     assert report.as_dict()["read_while_training"] == {"rows": 199, "dropped": {"invalid_json": 60}}
-    with pytest.raises(RecipeError, match=r"30\.15% of the rows are dropped.*read 199 conversations and dropped "
+    with pytest.raises(RecipeError, match=r"30\.15% of the rows of stream are dropped.*read 199 rows while training and dropped "
                                           r"invalid_json 60"):
         report.count_stream(below, stream_ended=True, max_dropped_share=0.05)
     report.count_stream(StreamStats(conversations=400, dropped={"invalid_json": 20}), stream_ended=False,
@@ -135,7 +145,34 @@ def test_the_step_callback_hands_the_summed_counts_to_the_drop_limit():
     control = SimpleNamespace(should_training_stop=False, should_save=False)
     with pytest.raises(RecipeError, match=r"20\.00% of the rows"):
         callback.on_step_end(SimpleNamespace(device=torch.device("cpu")), None, control)
-    assert callback.total == trained and report.stream_rows == 250 and not control.should_save
+    assert (callback.total.conversations, callback.total.dropped) == (250, trained.dropped)
+    assert report.stream_rows == 250 and not control.should_save
+
+
+def test_a_mixture_s_readers_count_each_source_and_its_limit_names_it():
+    """Per-source counts travel through the same all-reduce; each source is judged on its own rows."""
+    alpaca, chat = SourceReport(DataReport("alpaca.jsonl", streamed=True)), SourceReport(DataReport("chat.jsonl"))
+    chat.checked.rows = 100  # map-style: read up front, 2 dropped there
+    chat.checked.dropped["unknown_role"] = 2
+    report = MixtureReport(sources=[alpaca, chat], streamed=True)
+    read = StreamStats()
+    for _ in range(190):
+        read.keep([IGNORE_INDEX, 5, 6, IGNORE_INDEX], source=0)  # 4 tokens, 2 targets (5 and 6)
+    for _ in range(98):
+        read.keep([1, 2, 3], source=1)
+    for _ in range(10):
+        read.drop("invalid_json", source=0)
+    total, ended = summed_over_ranks(read, exhausted=False, device=torch.device("cpu"), num_sources=2)
+    assert not ended and total.conversations == 298
+    assert total.sources[0] == SourceCounts(200, 760, 380, {"invalid_json": 10})
+    assert total.sources[1] == SourceCounts(98, 294, 196, {})
+    with pytest.raises(RecipeError, match=r"5\.00% of the rows of alpaca.jsonl are dropped"):
+        report.count_stream(total, stream_ended=False, max_dropped_share=0.04)
+    report.count_stream(total, stream_ended=False, max_dropped_share=0.05)
+    summary = report.as_dict()
+    assert [(s["tokens"], s["supervised_tokens"]) for s in summary["sources"]] == [(760, 380), (294, 196)]
+    assert [s["supervised_token_share"] for s in summary["sources"]] == [round(380 / 576, 6), round(196 / 576, 6)]
+    assert summary["read_while_training"] == {"rows": 298, "dropped": {"invalid_json": 10}}
 
 
 def write_stream(path, lines):
@@ -152,7 +189,7 @@ def test_too_many_bad_streamed_rows_refuse_on_every_rank_without_a_hang(tmp_path
                         "--report_to", "none", "--max_length", "1024", check=False)
     errors = re.findall(r"error: .*", result.stderr)  # (after a progress bar on the same line)
     assert result.returncode != 0 and len(errors) == 1, result.stderr[-4000:]
-    assert re.match(r"error: Refusing to go on: (3[5-9]|4[0-5])\.\d\d% of the rows are dropped, more than "
+    assert re.match(r"error: Refusing to go on: (3[5-9]|4[0-5])\.\d\d% of the rows of \S+ are dropped, more than "
                     r"max_dropped_share=0\.05", errors[0]), errors[0]
     assert "dropped invalid_json " in errors[0] and ", no_assistant_turn " in errors[0], errors[0]
     # torchrun's report: every rank refused (2) or was stopped by torchrun once the first one had (SIGTERM)
@@ -177,3 +214,46 @@ def test_streamed_drops_reach_the_end_line_and_data_report(tmp_path):
     report = json.loads((out / "data_report.json").read_text())
     assert report["read_while_training"] == {"rows": 36, "dropped": {"invalid_json": 3, "no_assistant_turn": 3}}
     assert report["dropped_share"] == pytest.approx(6 / 36, abs=1e-6)
+
+
+def test_a_stream_read_unpacked_counts_the_rows_where_they_are_read_and_limits_their_share(tmp_path, monkeypatch):
+    """TRL's pipeline reads the stream in the training process (dataloader_num_workers: 0, the linter's rule)."""
+    monkeypatch.setattr("sft_recipes.data.sources.STREAM_READS", {})
+    alpaca = (REPO_ROOT / "data" / "samples" / "alpaca.jsonl").read_text().splitlines()
+    path = write_stream(tmp_path / "alpaca.jsonl", ["{not json" if i % 4 == 1 else alpaca[i] for i in range(300)])
+    args = SimpleNamespace(**{**vars(streamed_args(path)), "dataset_format": "alpaca"})
+    rows, report = load_checked_dataset(args)
+    device = SimpleNamespace(device=torch.device("cpu"))
+    first = [row["instruction"] for _, row in zip(range(100), rows)]  # 100 good rows: lines 0-132, 33 bad
+    assert first[:2] == [json.loads(alpaca[0])["instruction"], json.loads(alpaca[2])["instruction"]]
+    StreamedRowDropsCallback(report, max_dropped_share=0.2).on_step_end(device, None, None)  # < 200: not judged
+    assert (report.stream_rows, dict(report.stream_dropped)) == (133, {"invalid_json": 33})
+    assert sum(1 for _ in rows) == 225  # a whole pass: 300 lines, 75 bad; with the first 133, 108 of 433 bad
+    with pytest.raises(RecipeError, match=r"24\.94% of the rows of .*alpaca.jsonl are dropped, more than "
+                                          r"max_dropped_share=0\.2 \(the stream read 433 rows"):
+        StreamedRowDropsCallback(report, max_dropped_share=0.2).on_train_end(device, None, None)
+
+
+@pytest.mark.fsdp
+def test_a_streamed_mixture_counts_each_source_and_refuses_the_bad_one_by_name(tmp_path):
+    clean = write_stream(tmp_path / "clean.jsonl", [chat(i) for i in range(400)])
+    bad = write_stream(tmp_path / "bad.jsonl", ["{not json" if i % 3 == 0 else chat(i) for i in range(400)])
+    recipe = yaml.safe_load(QWEN_TWIN.read_text())
+    for key in ("dataset_name", "dataset_train_split", "dataset_streaming", "dataset_revision"):
+        del recipe[key]
+    recipe.update(streaming=True, datasets=[{"path": str(clean), "fraction": 0.5}, {"path": str(bad), "fraction": 0.5}])
+    path = tmp_path / "mixture.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    common = ("--report_to", "none", "--max_length", "1024")
+    result = launch_sft(path, "--output_dir", str(tmp_path / "refused"), *common, check=False)
+    errors = re.findall(r"error: .*", result.stderr)
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-4000:]
+    assert re.match(rf"error: Refusing to go on: 3\d\.\d\d% of the rows of {re.escape(str(bad))} are dropped", errors[0])
+    # Allowed: both sources' rows, tokens and drops counted over every reader, in data_report.json.
+    out = tmp_path / "allowed"
+    launch_sft(path, "--output_dir", str(out), *common, "--max_dropped_share", "0.4")
+    clean_report, bad_report = json.loads((out / "data_report.json").read_text())["sources"]
+    assert clean_report["read_while_training"]["dropped"] == {} and clean_report["supervised_tokens"] > 0
+    read = bad_report["read_while_training"]
+    assert read["dropped"]["invalid_json"] == pytest.approx(read["rows"] / 3, abs=1)
+    assert bad_report["dropped_share"] == pytest.approx(1 / 3, abs=0.01)

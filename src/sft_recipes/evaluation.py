@@ -6,9 +6,13 @@ even batches evaluate some rows twice on the last step. Here each rank evaluates
 (every `world_size`-th, so none twice), sums loss x supervised tokens and counts tokens per batch,
 and one all-reduce (`token_loss.global_sum`, as the training loss's global token mean) gives the
 token-weighted mean. Every rank runs the same number of forwards (FSDP2 gathers parameters in
-each): a rank with fewer rows repeats a batch without counting it. The loss is the model's own
-(its mean over the batch's supervised tokens, labels shifted inside; fused losses keep working),
-so a packed block-diagonal batch and the same examples unpadded give the same sum.
+each): a rank with fewer rows repeats a batch without counting it. The loss comes from TRL's fused
+LM head, as in training (`fused_lm_head=True`: per-token log-probabilities of the next-token labels,
+projected in tiles, never the full `[tokens, vocab]` logits that made eval the peak of a long-block
+run), summed over the supervised tokens, so a packed block-diagonal batch and the same examples
+unpadded give the same sum; a mixture of experts' balancing loss is not part of it. Under sequence
+parallelism each rank evaluates its own rows whole (`sequence_parallel_suspended`): no gradients
+are kept, so a whole block's activations are one layer's at a time.
 """
 
 from __future__ import annotations
@@ -19,17 +23,12 @@ import torch
 from torch.utils.data import DataLoader
 from transformers.trainer_utils import EvalLoopOutput
 
-from sft_recipes.data.blocks import IGNORE_INDEX
+from sft_recipes.architectures.sequence_parallel import sequence_parallel_suspended
 from sft_recipes.errors import RecipeError
 from sft_recipes.token_loss import global_sum
 
 # Popped from packed batches before the forward: they are the training stream's bookkeeping.
 STREAM_KEYS = ("stream_exhausted", "stream_stats")
-
-
-def supervised_token_count(labels: torch.Tensor) -> torch.Tensor:
-    """Tokens the causal-LM loss averages over: labels are shifted one left inside the model."""
-    return (labels[..., 1:] != IGNORE_INDEX).sum()
 
 
 class RankEvalBatches:
@@ -76,11 +75,10 @@ class TokenWeightedEvalMixin:
         totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)  # sum of loss x tokens, tokens
         for batch, counted in dataloader:
             inputs = self._prepare_inputs({key: value for key, value in batch.items() if key not in STREAM_KEYS})
-            with torch.no_grad(), self.compute_loss_context_manager():
-                loss = model(**inputs, use_cache=False).loss
-            tokens = supervised_token_count(inputs["labels"]).double()
-            if counted and tokens > 0:  # a batch without targets has a NaN mean and adds nothing
-                totals += torch.stack([loss.double() * tokens, tokens])
+            with torch.no_grad(), self.compute_loss_context_manager(), sequence_parallel_suspended():
+                outputs = model(**inputs, use_cache=False, fused_lm_head=True)
+            if counted:  # log-probabilities are zero where the label is ignored
+                totals += torch.stack([-outputs.log_probs.double().sum(), outputs.label_mask.double().sum()])
         loss_sum, tokens = global_sum(totals).tolist()
         metrics = {f"{metric_key_prefix}_loss": loss_sum / tokens if tokens else float("nan"),
                    f"{metric_key_prefix}_tokens": int(tokens)}

@@ -62,6 +62,15 @@ def block_packing_needs_chat_data(recipe: Recipe, ctx: LintContext) -> str | Non
     return None
 
 
+def streamed_rows_counted_in_a_worker(recipe: Recipe, ctx: LintContext) -> str | None:
+    data, training = recipe.data, recipe.training
+    if (data.dataset_streaming or data.streaming) and not data.pack_blocks and training.dataloader_num_workers:
+        return ("a streamed dataset read unpacked is checked in the process that reads it, and a dataloader "
+                "worker's counts of dropped rows never reach max_dropped_share: set dataloader_num_workers: 0, or "
+                "pack_blocks: true (chat data: each worker counts with the blocks it sends)")
+    return None
+
+
 def _packs(recipe: Recipe) -> bool:
     t = recipe.training
     return bool(recipe.data.pack_blocks or t.packing or t.padding_free)
@@ -226,6 +235,7 @@ RULES = (
     activation_checkpointing_twice,
     trl_packing_with_block_packing,
     block_packing_needs_chat_data,
+    streamed_rows_counted_in_a_worker,
     packing_architecture_needs_our_fixes,
     hybrid_model_without_reference_kernels,
     wrap_class_absent_from_model,

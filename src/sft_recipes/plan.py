@@ -452,8 +452,9 @@ def estimate_eval_gib(config: PretrainedConfig, setup: TrainingSetup, memory: Me
 
     No gradients: params, optimizer state and the gathered unit stay (grads were freed by zero_grad),
     the forward keeps one layer's activations at a time (b h + the largest layer's saved set, per
-    token), and the model's own loss materialises the full logits: bf16 logits, their fp32 upcast and
-    log-softmax, T V (b + 8) -- unlike training's chunked LM head.
+    token, over the whole block: under sequence parallelism each rank evaluates its rows whole), and
+    the loss is TRL's fused head as in training (one tile of logits at a time); with
+    `loss_implementation: full_logits`, the full logits with their fp32 upcast and log-softmax, T V (b + 8).
     """
     if setup.eval_micro_batch_size is None:
         return None
@@ -461,7 +462,10 @@ def estimate_eval_gib(config: PretrainedConfig, setup: TrainingSetup, memory: Me
     b = _bytes(setup.compute_dtype)
     tokens = setup.eval_micro_batch_size * setup.seq_len
     forward = tokens * (b * text_config.hidden_size + max(layer.saved for layer in _model_layer_activations(config, setup)))
-    logits = tokens * text_config.vocab_size * (b + 8)
+    if setup.loss_implementation == "full_logits":
+        logits = tokens * text_config.vocab_size * (b + 8)
+    else:
+        logits = b * min(tokens, FUSED_HEAD_TOKEN_TILE) * FUSED_HEAD_VOCAB_TILE
     allocated = (memory.params + memory.optimizer + memory.unsharded_params) * GIB + forward + logits
     return (allocated * (1 + FRAGMENTATION_FRACTION)) / GIB + CUDA_CONTEXT_GIB
 

@@ -75,7 +75,7 @@ class RecipeSFTTrainer(TokenWeightedEvalMixin, EndOfDataTogetherMixin, SFTTraine
         # made a step's loss the mean of per-rank, per-micro-batch means. Every step is the global token mean.
         self.model_accepts_loss_kwargs = True
         if self.block_stream is not None:
-            self.exhaustion = StopWhenAnyRankExhausted(self.stream_stats, count_stream)
+            self.exhaustion = StopWhenAnyRankExhausted(self.stream_stats, count_stream, self.block_stream.num_sources)
             self.add_callback(self.exhaustion)
 
     @property

@@ -14,7 +14,9 @@ the same step (as the reference recipe does with its `ran_out` all-reduce).
 Conversations dropped on the way (bad streamed rows, flagged while reading; conversations the
 masking cannot train on) are counted by the reader that meets them and travel with its blocks
 (`StreamStats`); the same all-reduce sums them over every rank, so `max_dropped_share` is
-enforced on every rank together (`DataReport.count_stream`).
+enforced on every rank together (`DataReport.count_stream`). A mixture's conversations carry their
+source's index (`SOURCE_FIELD`): conversations, tokens, supervised tokens and drops are also
+counted per source, for the per-source report and limits.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ PACKING_WINDOW = 1024  # examples a whole-example block may choose from (DataArg
 # any other is summed under OTHER_REASONS.
 DROP_REASONS = tuple(dict.fromkeys((*ROW_DROP_REASONS, *MASKING_DROP_REASONS)))
 OTHER_REASONS = "other_reasons"
+SOURCE_FIELD = "source_index"  # which source of the recipe's `datasets` a conversation came from (0 without)
 
 
 def fill_blocks(examples: Iterable[dict[str, list[int]]], max_length: int, split_examples: bool = True,
@@ -133,6 +136,24 @@ def _pack_whole_examples(examples: Iterable[dict[str, list[int]]], max_length: i
 
 
 @dataclass
+class SourceCounts:
+    """What a block stream read of one source: conversations (kept or dropped), the kept ones' tokens and
+    supervised tokens (the causal-LM targets: a label on a conversation's first token does not count), drops."""
+
+    conversations: int = 0
+    tokens: int = 0
+    supervised_tokens: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def add(self, other: SourceCounts) -> None:
+        self.conversations += other.conversations
+        self.tokens += other.tokens
+        self.supervised_tokens += other.supervised_tokens
+        for reason, count in other.dropped.items():
+            self.dropped[reason] = self.dropped.get(reason, 0) + count
+
+
+@dataclass
 class StreamStats:
     """Counts of one stretch of a block stream; they add up, so workers' counts can travel with their blocks."""
 
@@ -143,6 +164,7 @@ class StreamStats:
     supervised_tokens: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     squared_segment_lengths: int = 0  # sum of L^2 over the real segments: the attention term of the FLOPs
+    sources: dict[int, SourceCounts] = field(default_factory=dict)  # the conversations' counts per source
 
     def add(self, other: StreamStats) -> StreamStats:
         self.conversations += other.conversations
@@ -153,12 +175,30 @@ class StreamStats:
         self.squared_segment_lengths += other.squared_segment_lengths
         for reason, count in other.dropped.items():
             self.dropped[reason] = self.dropped.get(reason, 0) + count
+        for source, counts in other.sources.items():
+            self.sources.setdefault(source, SourceCounts()).add(counts)
         return self
 
-    def drop(self, reason: str) -> None:
-        """One conversation read and dropped."""
+    def drop(self, reason: str, source: int = 0) -> None:
+        """One conversation of `source` read and dropped."""
         self.conversations += 1
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        self.source(source).add(SourceCounts(conversations=1, dropped={reason: 1}))
+
+    def keep(self, labels: list[int], source: int = 0) -> None:
+        """One conversation of `source` read and kept, with its labels."""
+        self.conversations += 1
+        supervised = len(labels) - 1 - labels[1:].count(IGNORE_INDEX) if labels else 0
+        self.source(source).add(SourceCounts(conversations=1, tokens=len(labels), supervised_tokens=supervised))
+
+    def source(self, index: int) -> SourceCounts:
+        return self.sources.setdefault(index, SourceCounts())
+
+    def take_read(self) -> StreamStats:
+        """The conversations counted so far (total, drops, per source), handed over and reset here."""
+        read = StreamStats(conversations=self.conversations, dropped=self.dropped, sources=self.sources)
+        self.conversations, self.dropped, self.sources = 0, {}, {}
+        return read
 
     @property
     def packing_efficiency(self) -> float:
@@ -183,7 +223,7 @@ class RankLocalBlockStream(TorchIterableDataset):
 
     def __init__(self, dataset: Dataset | IterableDataset, tokenizer, max_length: int, rank: int, world_size: int,
                  split_examples: bool = True, template_kwargs: dict[str, Any] | None = None,
-                 messages_field: str = "messages", packing_window: int = PACKING_WINDOW):
+                 messages_field: str = "messages", packing_window: int = PACKING_WINDOW, num_sources: int = 1):
         if isinstance(dataset, Dataset):
             dataset = dataset.to_iterable_dataset(num_shards=max(1, min(len(dataset), 64)))
         self.dataset = dataset
@@ -195,6 +235,7 @@ class RankLocalBlockStream(TorchIterableDataset):
         self.packing_window = packing_window
         self.template_kwargs = template_kwargs or {}
         self.messages_field = messages_field
+        self.num_sources = num_sources  # conversations carry SOURCE_FIELD when the recipe has several sources
         self.pad_token_id = tokenizer.pad_token_id
 
     def reader_shard(self) -> IterableDataset:
@@ -206,21 +247,23 @@ class RankLocalBlockStream(TorchIterableDataset):
     def _tokenized(self, pending: StreamStats) -> Iterator[dict[str, list[int]]]:
         # `.iter()` (unlike `__iter__`) does not split the shard again among dataloader workers.
         for batch in self.reader_shard().iter(batch_size=TOKENIZE_BATCH):
-            problems = batch.get(ROW_PROBLEM) or [None] * len(batch[self.messages_field])  # flagged while reading
+            rows = len(batch[self.messages_field])
+            problems = batch.get(ROW_PROBLEM) or [None] * rows  # flagged while reading
+            sources = batch.get(SOURCE_FIELD) or [0] * rows
             good = [conversation for conversation, problem in zip(batch[self.messages_field], problems) if not problem]
             columns = tokenize_conversations(self.tokenizer, good, None, **self.template_kwargs) if good else {}
             tokenized = zip(columns.get("input_ids", ()), columns.get("assistant_masks", ()),
                             columns.get("drop_reason", ()))
-            for problem in problems:  # in reading order, so each drop travels with the block where it was read
+            for problem, source in zip(problems, sources):  # in reading order: each drop travels with its block
                 if problem:
-                    pending.drop(problem)
+                    pending.drop(problem, source)
                     continue
                 ids, mask, reason = next(tokenized)
                 if reason != KEPT:
-                    pending.drop(reason)
+                    pending.drop(reason, source)
                     continue
-                pending.conversations += 1
                 labels = [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask)]
+                pending.keep(labels, source)
                 yield {"input_ids": ids, "labels": labels}
 
     def exhausted_block(self) -> dict[str, Any]:
@@ -231,17 +274,13 @@ class RankLocalBlockStream(TorchIterableDataset):
         consumed = StreamStats()  # conversations read by the tokenizing generator, not yet reported
         for block in fill_blocks(self._tokenized(consumed), self.max_length, self.split_examples,
                                  self.packing_window):
-            stats = StreamStats(
-                conversations=consumed.conversations, blocks=1, real_tokens=len(block["input_ids"]),
-                token_slots=self.max_length,
-                supervised_tokens=len(block["labels"]) - block["labels"].count(IGNORE_INDEX),
-                dropped=dict(consumed.dropped),
-                squared_segment_lengths=sum(length * length for length in block["seq_lengths"]),
-            )
-            consumed.conversations, consumed.dropped = 0, {}
+            stats = consumed.take_read()
+            stats.blocks, stats.real_tokens, stats.token_slots = 1, len(block["input_ids"]), self.max_length
+            stats.supervised_tokens = len(block["labels"]) - block["labels"].count(IGNORE_INDEX)
+            stats.squared_segment_lengths = sum(length * length for length in block["seq_lengths"])
             yield {**block, "stream_exhausted": 0, "stream_stats": stats}
         tail = self.exhausted_block()
-        tail["stream_stats"] = StreamStats(conversations=consumed.conversations, dropped=dict(consumed.dropped))
+        tail["stream_stats"] = consumed.take_read()
         yield tail
         while True:
             yield self.exhausted_block()
@@ -268,19 +307,40 @@ SUMMED_COUNTERS = ("conversations", "blocks", "real_tokens", "token_slots", "sup
                    "squared_segment_lengths")
 
 
-def _summed_over_ranks(stats: StreamStats, exhausted: bool, device) -> tuple[StreamStats, bool]:
-    """(every rank's counts summed, whether any rank has run out): one all-reduce."""
-    other = sum(count for reason, count in stats.dropped.items() if reason not in DROP_REASONS)
-    dropped = [stats.dropped.get(reason, 0) for reason in DROP_REASONS] + [other]
-    counters = [getattr(stats, name) for name in SUMMED_COUNTERS]
-    values = torch.tensor([float(exhausted), *counters, *dropped], dtype=torch.float64,
-                          device=device)  # exact integers up to 2**53
+SOURCE_COUNTERS = ("conversations", "tokens", "supervised_tokens")
+
+
+def drop_slots(dropped: dict[str, int]) -> list[int]:
+    other = sum(count for reason, count in dropped.items() if reason not in DROP_REASONS)
+    return [dropped.get(reason, 0) for reason in DROP_REASONS] + [other]
+
+
+def drops_from_slots(slots: list[int]) -> dict[str, int]:
+    return {reason: count for reason, count in zip((*DROP_REASONS, OTHER_REASONS), slots) if count}
+
+
+def summed_over_ranks(stats: StreamStats, exhausted: bool, device, num_sources: int = 1
+                       ) -> tuple[StreamStats, bool]:
+    """(every rank's counts summed, whether any rank has run out): one all-reduce.
+
+    Every rank sends the same slots: the totals, then `num_sources` sources' counts and drops."""
+    values = [float(exhausted), *(getattr(stats, name) for name in SUMMED_COUNTERS), *drop_slots(stats.dropped)]
+    for index in range(num_sources):
+        counts = stats.sources.get(index, SourceCounts())
+        values += [*(getattr(counts, name) for name in SOURCE_COUNTERS), *drop_slots(counts.dropped)]
+    summed = torch.tensor(values, dtype=torch.float64, device=device)  # exact integers up to 2**53
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(values)
-    exhausted_ranks, *counts = (int(value) for value in values.tolist())
-    summed = dict(zip(SUMMED_COUNTERS, counts))
-    dropped = dict(zip((*DROP_REASONS, OTHER_REASONS), counts[len(SUMMED_COUNTERS):]))
-    total = StreamStats(**summed, dropped={reason: count for reason, count in dropped.items() if count})
+        torch.distributed.all_reduce(summed)
+    exhausted_ranks, *counts = (int(value) for value in summed.tolist())
+    reason_slots = len(DROP_REASONS) + 1
+    total = StreamStats(**dict(zip(SUMMED_COUNTERS, counts)),
+                        dropped=drops_from_slots(counts[len(SUMMED_COUNTERS):len(SUMMED_COUNTERS) + reason_slots]))
+    per_source = len(SOURCE_COUNTERS) + reason_slots
+    start = len(SUMMED_COUNTERS) + reason_slots
+    for index in range(num_sources):
+        slots = counts[start + index * per_source:start + (index + 1) * per_source]
+        total.sources[index] = SourceCounts(**dict(zip(SOURCE_COUNTERS, slots)),
+                                            dropped=drops_from_slots(slots[len(SOURCE_COUNTERS):]))
     return total, exhausted_ranks > 0
 
 
@@ -294,14 +354,15 @@ class StopWhenAnyRankExhausted(TrainerCallback):
     """
 
     def __init__(self, trained: StreamStats,
-                 on_total: Callable[[StreamStats, bool], None] | None = None) -> None:
+                 on_total: Callable[[StreamStats, bool], None] | None = None, num_sources: int = 1) -> None:
         self.exhausted = False
         self.trained = trained  # what this rank has trained on so far: the trainer adds each batch's counts
         self.on_total = on_total
+        self.num_sources = num_sources  # the recipe's sources: the same on every rank
         self.total = StreamStats()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.total, stream_ended = _summed_over_ranks(self.trained, self.exhausted, args.device)
+        self.total, stream_ended = summed_over_ranks(self.trained, self.exhausted, args.device, self.num_sources)
         if self.on_total is not None:
             self.on_total(self.total, stream_ended)
         if stream_ended:

@@ -5,7 +5,9 @@ number in [0, 1), is below `test_split_size`. The decision depends on the row al
 position, the seed, the world size, the dataloader workers or how far a resumed run had got. So
 the same rows are held out in every run of a recipe, a streamed run holds out exactly the rows a
 map-style run would, and a row is never both trained on and evaluated (duplicates of a row go to
-the same side). The held-out share is `test_split_size` in expectation, not exactly.
+the same side). The held-out share is `test_split_size` in expectation, not exactly. A stream read
+for packed blocks keeps its bad rows flagged (`ROW_PROBLEM`): the flag is not content, and a bad
+row is never held out (the training stream counts it where it is read).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 
 from datasets import Dataset, IterableDataset
 
+from sft_recipes.data.rows import ROW_PROBLEM
+
 # A streamed source is not read to its end up front: its eval rows are the held-out rows among its first rows.
 STREAMED_EVAL_SCAN_ROWS = 20_000
 _HASH_BYTES = 8
@@ -24,13 +28,14 @@ _HASH_BYTES = 8
 
 def row_position(row: dict[str, Any]) -> float:
     """Where the row's content hashes to in [0, 1)."""
+    row = {key: value for key, value in row.items() if key != ROW_PROBLEM}
     canonical = json.dumps(row, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
     digest = hashlib.sha1(canonical.encode("utf-8")).digest()[:_HASH_BYTES]
     return int.from_bytes(digest, "big") / 2 ** (8 * _HASH_BYTES)
 
 
 def is_held_out(row: dict[str, Any], test_split_size: float) -> bool:
-    return row_position(row) < test_split_size
+    return not row.get(ROW_PROBLEM) and row_position(row) < test_split_size
 
 
 def is_training_row(row: dict[str, Any], test_split_size: float) -> bool:

@@ -20,6 +20,10 @@ and `mixture_strategy`. The single-dataset keys (`dataset_name` ...) stay: they 
   Packed runs read the mixed rows through the usual per-rank x worker readers
   (`RankLocalBlockStream`, built by `sft_recipes.run.data`); its shared stop ends the pass when the
   first reader runs out.
+- Packed runs count what the readers drop and read per source, summed over every rank after every
+  step (`MixtureReport.count_stream`): a streamed source's bad rows stay in its stream, flagged,
+  and each conversation carries its source's index (`SOURCE_FIELD`); `max_dropped_share` holds
+  for each source on the running counts, as it does up front for map-style rows.
 - Each source becomes `input_ids` + `labels` through its own format (`DatasetFormat.to_tokens`), so
   alpaca, text and chat sources mix; packed runs (`pack_blocks`) mix chat sources, as conversations.
 - Eval rows: `eval_datasets`, or each source's rows held out by `test_split_size`
@@ -29,18 +33,20 @@ and `mixture_strategy`. The single-dataset keys (`dataset_name` ...) stay: they 
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from datasets import Dataset, Features, IterableDataset, List, Value, concatenate_datasets, interleave_datasets
 
-from sft_recipes.data.blocks import IGNORE_INDEX, fill_blocks
+from sft_recipes.data.blocks import IGNORE_INDEX, SOURCE_FIELD, fill_blocks
 from sft_recipes.data.formats import CHAT_FORMATS, FORMATS, Tokenization
 from sft_recipes.data.heldout import split_held_out
 from sft_recipes.data.masking import KEPT, tokenize_conversations
 from sft_recipes.data.report import DataReport, MixtureReport, SourceReport
-from sft_recipes.data.sources import DatasetSource, load_checked_dataset, parse_sources
+from sft_recipes.data.rows import ROW_PROBLEM
+from sft_recipes.data.sources import DatasetSource, load_checked_dataset, parse_sources, without_marked_rows
 from sft_recipes.errors import RecipeError
 
 
@@ -66,8 +72,9 @@ def eval_sources(data_args) -> list[DatasetSource]:
 
 
 def uses_source_pipeline(data_args) -> bool:
-    """Whether this module builds the data (a mixture, or any eval data); else the single-dataset path."""
-    return bool(data_args.datasets or data_args.eval_datasets or data_args.test_split_size)
+    """Whether this module builds the data: a mixture, any eval data, or packed blocks (the readers count
+    per source). Else one unpacked dataset, which TRL tokenizes itself."""
+    return bool(data_args.datasets or data_args.eval_datasets or data_args.test_split_size or data_args.pack_blocks)
 
 
 def check_data_sources(data_args) -> None:
@@ -145,11 +152,13 @@ class SourceData:
     train: Dataset | IterableDataset
     eval: Dataset | None
     report: MixtureReport
+    raw_train: list[tuple[Dataset | IterableDataset, str]]  # each source's raw training rows and dataset_format
+    raw_eval: list[tuple[Dataset, str]]  # the same for the eval rows
 
 
-def _load(source: DatasetSource, streaming: bool, max_rows: int | None = None
+def _load(source: DatasetSource, streaming: bool, max_rows: int | None = None, mark_bad_rows: bool = False
           ) -> tuple[Dataset | IterableDataset, DataReport]:
-    rows, report = load_checked_dataset(source.as_data_args(streaming, max_rows))
+    rows, report = load_checked_dataset(source.as_data_args(streaming, max_rows), mark_bad_rows=mark_bad_rows)
     report.source = source.label
     return rows, report
 
@@ -160,11 +169,12 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
     packed block size when the run packs (`pack_blocks`); the training rows then stay conversations."""
     streaming = is_streamed(data_args)
     packs = data_args.pack_blocks
+    marked = packs and streaming  # bad streamed rows stay in the stream, flagged, for its readers to count
     report = MixtureReport(streamed=streaming)
-    train_parts, eval_parts = [], []
-    for source in training_sources(data_args):
+    train_parts, eval_parts, raw_train = [], [], []
+    for index, source in enumerate(training_sources(data_args)):
         fmt = FORMATS[source.dataset_format]
-        rows, checked = _load(source, streaming, None if data_args.datasets else data_args.max_train_samples)
+        rows, checked = _load(source, streaming, None if data_args.datasets else data_args.max_train_samples, marked)
         entry = SourceReport(checked=checked, fraction=source.fraction)
         report.sources.append(entry)
         if data_args.test_split_size:
@@ -174,8 +184,11 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
                 raise RecipeError(f"test_split_size={data_args.test_split_size} holds out no row of {source.label}: "
                                   "raise it, or give eval_datasets.")
             eval_parts.append((source, held_out))
+        raw_train.append((without_marked_rows(rows) if marked else rows, source.dataset_format))
         if packs:  # the packed stream reads and tokenizes the conversations
-            fmt.check_trainable(rows, tokenizer, tokenization)
+            fmt.check_trainable(without_marked_rows(rows) if marked else rows, tokenizer, tokenization)
+            if streaming:
+                rows = rows.map(functools.partial(_from_source, index=index))
         else:
             rows = fmt.to_tokens(rows, tokenizer, tokenization, checked)
         train_parts.append(rows)
@@ -184,10 +197,12 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
         eval_parts.append((source, rows))
     entries = report.sources
     if streaming:
-        train = _interleaved(train_parts, [s.fraction for s in entries], data_args.mixture_strategy, seed)
+        columns = ["messages", SOURCE_FIELD, *([ROW_PROBLEM] if marked else [])]
+        train = _interleaved(train_parts, columns, [s.fraction for s in entries], data_args.mixture_strategy, seed)
     else:
         if packs:
-            train_parts = with_aligned_messages(train_parts)
+            train_parts = [part.add_column(SOURCE_FIELD, [index] * len(part))
+                           for index, part in enumerate(with_aligned_messages(train_parts))]
         counts = mixture_rows([len(part) for part in train_parts], [s.fraction for s in entries],
                               data_args.mixture_strategy)
         drawn = [draw_rows(part, count, seed + index) for index, (part, count) in enumerate(zip(train_parts, counts))]
@@ -196,7 +211,8 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
             if not packs:
                 entry.tokens, entry.supervised_tokens = token_counts(rows)
         train = concatenate_datasets(drawn).shuffle(seed=seed) if len(drawn) > 1 else drawn[0]
-    return SourceData(train, _eval_dataset(eval_parts, packs, tokenization, tokenizer, block_length), report)
+    return SourceData(train, _eval_dataset(eval_parts, packs, tokenization, tokenizer, block_length), report,
+                      raw_train, [(rows, source.dataset_format) for source, rows in eval_parts])
 
 
 def with_aligned_messages(parts: list[Dataset]) -> list[Dataset]:
@@ -220,14 +236,18 @@ def _decode_messages(row: dict[str, str]) -> dict[str, Any]:
     return {"messages": json.loads(row["messages_json"])}
 
 
-def _interleaved(streams: list[IterableDataset], fractions: list[float | None], strategy: str, seed: int
-                 ) -> IterableDataset:
-    """One seeded stream drawing from every source with the normalised fractions as probabilities.
+def _from_source(row: dict[str, Any], index: int) -> dict[str, int]:
+    return {SOURCE_FIELD: index}
+
+
+def _interleaved(streams: list[IterableDataset], columns: list[str], fractions: list[float | None], strategy: str,
+                 seed: int) -> IterableDataset:
+    """One seeded stream of `columns` drawing from every source with the normalised fractions as probabilities.
 
     A stream's types are not known before it is read, and `datasets` refuses to interleave sources
     whose messages differ in their fields (a reasoning source's `thinking`): the conversations travel
     through the interleave as JSON text and are read back after it."""
-    streams = [stream.select_columns(["messages"]) for stream in streams]
+    streams = [stream.select_columns(columns) for stream in streams]
     if len(streams) == 1:
         return streams[0]
     encoded = [stream.map(_encode_messages, remove_columns=["messages"]) for stream in streams]

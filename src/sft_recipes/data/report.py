@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from sft_recipes.errors import RecipeError
 
 if TYPE_CHECKING:
-    from sft_recipes.data.blocks import StreamStats
+    from sft_recipes.data.blocks import SourceCounts, StreamStats
 
 EXCERPT_CHARS = 300
 # Conversations all ranks' readers must have read before their running share is enforced: 200
@@ -70,15 +70,16 @@ class DataReport:
         both = rows * self.stream_rows  # in integers, so that the share is exact
         return (both - (rows - dropped) * (self.stream_rows - stream_dropped)) / both
 
-    def count_stream(self, total: StreamStats, stream_ended: bool, max_dropped_share: float) -> None:
-        """Take the packed stream's running counts (all ranks); RecipeError when its share is too high."""
+    def count_stream(self, total: StreamStats | SourceCounts, stream_ended: bool, max_dropped_share: float) -> None:
+        """Take the packed stream's running counts of these rows (all ranks); RecipeError when the share is too high."""
         self.stream_rows, self.stream_dropped = total.conversations, Counter(total.dropped)
         judged = total.conversations >= MIN_ROWS_BEFORE_DROP_LIMIT or stream_ended
         if judged and self.dropped_share > max_dropped_share:
             raise RecipeError(
-                f"Refusing to go on: {self.dropped_share:.2%} of the rows are dropped, more than max_dropped_share="
+                f"Refusing to go on: {self.dropped_share:.2%} of the rows of {self.source} are dropped, more than "
+                "max_dropped_share="
                 f"{max_dropped_share} ({self.describe_stream()}; summed over every rank, judged from "
-                f"{MIN_ROWS_BEFORE_DROP_LIMIT} conversations read or at the end of the stream). Fix the rows, check "
+                f"{MIN_ROWS_BEFORE_DROP_LIMIT} rows read or at the end of the stream). Fix the rows, check "
                 "dataset_format and the chat template (`scripts/sft.py RECIPE --audit-data 5` shows rows), or raise "
                 "max_dropped_share if dropping them is intended."
             )
@@ -86,7 +87,7 @@ class DataReport:
     def describe_stream(self) -> str:
         dropped = ", ".join(f"{reason} {count}" for reason, count in sorted(self.stream_dropped.items())) or "none"
         before = f"after {sum(self.dropped.values())} of {self.rows} rows dropped up front, " if self.rows else ""
-        return f"{before}the packed stream read {self.stream_rows} conversations and dropped {dropped}"
+        return f"{before}the stream read {self.stream_rows} rows while training and dropped {dropped}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"source": self.source, "rows": self.rows, "kept": self.kept, "dropped": dict(self.dropped),
@@ -100,8 +101,8 @@ class DataReport:
 
     def format(self) -> str:
         if self.streamed:
-            return (f"[data] {self.source}: streamed; bad rows are dropped as they are read, and logged (the 1st, "
-                    "10th, 100th... of each reason per reader); with pack_blocks counted over all readers too")
+            return (f"[data] {self.source}: streamed; bad rows are dropped as they are read, logged (the 1st, "
+                    "10th, 100th... of each reason per reader) and counted over all readers")
         reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(self.dropped.items())) or "none"
         line = (f"[data] {self.source}: {self.rows} rows, kept {self.kept}, dropped {sum(self.dropped.values())} "
                 f"({self.dropped_share:.2%}: {reasons}), truncated {self.truncated}")
@@ -174,9 +175,17 @@ class MixtureReport:
         dropped = sum((Counter(s.checked.dropped) for s in self.sources), Counter())
         rows = sum(s.checked.rows for s in self.sources)
         supervised = [s.supervised_tokens for s in self.sources]
+        # Rows each source was judged on: read up front, else (a stream) read while training.
+        judged = [s.checked.rows or s.checked.stream_rows or 0 for s in self.sources]
+        streams = [s.checked for s in self.sources if s.checked.stream_rows is not None]
+        read_while_training = None if not streams else {
+            "rows": sum(c.stream_rows for c in streams),
+            "dropped": dict(sum((Counter(c.stream_dropped) for c in streams), Counter()))}
         return {"source": ", ".join(s.checked.source for s in self.sources), "rows": rows,
                 "kept": rows - sum(dropped.values()), "dropped": dict(dropped),
-                "dropped_share": round(sum(dropped.values()) / rows, 6) if rows else 0.0,
+                "dropped_share": round(sum(s.checked.dropped_share * n for s, n in zip(self.sources, judged))
+                                       / sum(judged), 6) if sum(judged) else 0.0,
+                "read_while_training": read_while_training,
                 "truncated": sum(s.checked.truncated for s in self.sources),
                 "trainable_tokens": None if None in supervised else sum(supervised), "streamed": self.streamed,
                 "eval_rows": sum(s.eval_rows for s in self.sources),
@@ -210,3 +219,13 @@ class MixtureReport:
     def enforce(self, max_dropped_share: float) -> None:
         for source in self.sources:
             source.checked.enforce(max_dropped_share)
+
+    def count_stream(self, total: StreamStats, stream_ended: bool, max_dropped_share: float) -> None:
+        """Take the packed stream's running counts per source (all ranks); RecipeError when a source's share
+        of dropped rows is too high."""
+        for index, source in enumerate(self.sources):
+            counts = total.sources.get(index)
+            if counts is None:  # nothing of it read yet
+                continue
+            source.tokens, source.supervised_tokens = counts.tokens, counts.supervised_tokens
+            source.checked.count_stream(counts, stream_ended, max_dropped_share)

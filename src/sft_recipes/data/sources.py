@@ -6,7 +6,9 @@ A local .jsonl is read line by line, so one bad line is one dropped row, not a f
 filtered lazily by the same row rules; their counts are not known at start, so each reader logs
 bad rows as it meets them (`StreamedRowCheck`). Read for a packed block stream (`mark_bad_rows`),
 a stream keeps its bad rows, flagged with their reason, so the reader that meets one counts it
-with the blocks it sends (`RankLocalBlockStream`), and the run sums every reader's counts.
+with the blocks it sends (`RankLocalBlockStream`), and the run sums every reader's counts. Read
+unpacked (TRL's pipeline), a stream is checked in the process that iterates it, which adds what it
+read and dropped to `STREAM_READS`; `StreamedRowDropsCallback` sums that over ranks after every step.
 """
 
 from __future__ import annotations
@@ -89,23 +91,37 @@ def _local_jsonl(data_args) -> Path | None:
     return path if path.suffix == ".jsonl" and path.is_file() else None
 
 
+# Rows of each streamed source checked in this process, and the bad ones per reason (see the module docstring).
+STREAM_READS: dict[str, Counter] = {}
+ROWS_READ = "rows read"
+
+
+def rows_read_in_this_process(source: str) -> Counter:
+    """The rows of `source` that this process's stream readers checked (ROWS_READ), and the bad ones per reason."""
+    return STREAM_READS.get(source, Counter())
+
+
 class StreamedRowCheck:
     """Keeps the streamed rows a run can train on; shows bad ones as they are read.
 
     A stream's drop counts are not known at start (nothing reads it up front), so each reader
-    process logs the 1st, 10th, 100th... bad row of each reason, with the row, instead.
+    process logs the 1st, 10th, 100th... bad row of each reason, with the row, and counts every
+    row it checks in `STREAM_READS[source]`.
     """
 
     def __init__(self, source: str, dataset_format: str) -> None:
         self.source = source
         self.dataset_format = dataset_format
         self.dropped: Counter = Counter()
+        self.read = STREAM_READS.setdefault(source, Counter())
 
     def problem(self, row: dict[str, Any] | None, where: str, line: str | None = None) -> str | None:
         """Why the row is dropped (counted, and shown if it is the 1st, 10th, 100th... of its reason), or None."""
         problem = INVALID_JSON if row is None else FORMATS[self.dataset_format].row_problem(row)
+        self.read[ROWS_READ] += 1
         if problem is None:
             return None
+        self.read[problem] += 1
         self.dropped[problem] += 1
         count = self.dropped[problem]
         if count == 10 ** (len(str(count)) - 1):  # 1, 10, 100, ...

@@ -21,6 +21,7 @@ template. How it stays cheap and hang-free under FSDP2:
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -40,6 +41,7 @@ SAMPLES_FILE = "samples.md"
 BEFORE_FILE = "samples_before.json"  # the base model's answers, kept for the end of a resumed run
 DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_PROMPT_COUNT = 3
+SourceRows = tuple[Iterable[dict], str]  # one source's raw rows and their dataset_format
 
 
 def user_turn(row: dict[str, Any], dataset_format: str) -> str | None:
@@ -51,20 +53,28 @@ def user_turn(row: dict[str, Any], dataset_format: str) -> str | None:
     return next((m["content"] for m in row.get("messages") or [] if m.get("role") == "user" and m.get("content")), None)
 
 
-def default_sample_prompts(eval_rows: Iterable[dict] | None, train_rows: Iterable[dict], dataset_format: str,
+def default_sample_prompts(eval_sources: list[SourceRows], train_sources: list[SourceRows],
                            count: int = DEFAULT_PROMPT_COUNT) -> list[str]:
-    """The first `count` user turns of the held-out eval rows when there are any, else of the training rows."""
-    for rows in (eval_rows, train_rows):
-        prompts = []
-        for row in rows or []:
-            turn = user_turn(row, dataset_format)
-            if turn:
-                prompts.append(turn)
-            if len(prompts) == count:
-                break
+    """The first `count` user turns of the held-out eval rows when there are any, else of the training rows.
+
+    Each list holds (rows, dataset_format) per source; a mixture's prompts are taken from its sources in turn,
+    so the samples show every kind of data it trains on."""
+    for sources in (eval_sources, train_sources):
+        per_source = [_user_turns(rows, dataset_format, count) for rows, dataset_format in sources]
+        prompts = [turn for turns in itertools.zip_longest(*per_source) for turn in turns if turn is not None]
         if prompts:
-            return prompts
+            return prompts[:count]
     return []
+
+
+def _user_turns(rows: Iterable[dict], dataset_format: str, count: int) -> list[str]:
+    turns = []
+    for row in rows:
+        if turn := user_turn(row, dataset_format):
+            turns.append(turn)
+        if len(turns) == count:
+            break
+    return turns
 
 
 def sample_settings(recipe) -> dict[str, Any]:
@@ -79,12 +89,12 @@ def answers_in_lockstep(training_args) -> bool:
     return training_args.device.type != "cpu"
 
 
-def sample_prompts_for_run(training_args, train_rows: Iterable[dict], dataset_format: str,
-                           eval_rows: Iterable[dict] | None = None) -> list[str]:
+def sample_prompts_for_run(training_args, train_sources: list[SourceRows], eval_sources: list[SourceRows] = ()
+                           ) -> list[str]:
     """The recipe's `sample_prompts`, else the defaults from the data ([] turns samples off)."""
     if training_args.sample_prompts is not None:
         return list(training_args.sample_prompts)
-    return default_sample_prompts(eval_rows, train_rows, dataset_format)
+    return default_sample_prompts(list(eval_sources), train_sources)
 
 
 def chat_prompt_ids(tokenizer, prompt: str, chat_template_kwargs: dict | None = None) -> list[int]:

@@ -1,5 +1,6 @@
 """Rows -> what the trainer trains on: the train dataset (or packed block stream), its collator, the eval
-rows, the report. A mixture or any eval data is read by `data/mixture.py`; one dataset without eval directly."""
+rows, the report. Packed blocks, a mixture or any eval data are read by `data/mixture.py` (one dataset is a
+one-entry mixture there); one unpacked dataset without eval goes to TRL as rows, and TRL tokenizes it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from sft_recipes.data.collator import BlockDiagonalCollator
 from sft_recipes.data.formats import CHAT_FORMATS
 from sft_recipes.data.mixture import SourceData, build_source_data, describe_eval, uses_source_pipeline
 from sft_recipes.data.report import DataReport, MixtureReport
-from sft_recipes.data.sources import load_checked_dataset, without_marked_rows
+from sft_recipes.data.sources import load_checked_dataset
+from sft_recipes.data.stream_reads import StreamedRowDropsCallback
 from sft_recipes.errors import RecipeError
 from sft_recipes.reporting.samples import sample_prompts_for_run
 from sft_recipes.run.setup import Run
@@ -31,7 +33,14 @@ class RunData:
     sample_prompts: list[str]  # answered before and after training (samples.md); [] = none
     # With a block stream: takes its counts summed over ranks after every step, refuses too many drops
     count_stream: Callable | None = None
+    # A stream read unpacked (TRL's pipeline): its rows and drops summed over ranks after every step, limit enforced
+    stream_reads: StreamedRowDropsCallback | None = None
     eval: Dataset | None = None  # held-out or eval_datasets rows: tokenized, or packed whole into blocks
+
+    @property
+    def counted_while_training(self) -> bool:
+        """Whether some drops are only known once training reads the rows (the report is written again at the end)."""
+        return self.count_stream is not None or self.stream_reads is not None
 
 
 def source_data(run: Run, tokenizer) -> SourceData:
@@ -47,40 +56,39 @@ def build_data(run: Run, tokenizer) -> RunData:
     data_args, training = run.recipe.data, run.recipe.training
     fmt, tokenization = run.data_format, run.tokenization
     from_sources = uses_source_pipeline(data_args)
-    train, block_stream, collator, count_stream, eval_rows = None, None, None, None, None
+    train, block_stream, collator, count_stream, stream_reads, eval_rows = None, None, None, None, None, None
     if not from_sources:  # read on every rank before any waits on another: a refusal here is every rank's
-        # A block stream counts a stream's bad rows where it reads them, so they stay in it, flagged.
-        rows, report = load_checked_dataset(data_args, mark_bad_rows=run.packs_blocks)
-        good_rows = without_marked_rows(rows) if run.packs_blocks and report.streamed else rows
-        sample_prompts = sample_prompts_for_run(training, good_rows, data_args.dataset_format)
+        rows, report = load_checked_dataset(data_args)
+        sample_prompts = sample_prompts_for_run(training, [(rows, fmt.name)])
+        if report.streamed:
+            stream_reads = StreamedRowDropsCallback(report, data_args.max_dropped_share)
     with global_then_local_main_first():  # prepared once per datasets cache (shared or node-local), not per rank
         if from_sources:  # per-source formats and shares, held-out eval rows, per-source report
             sources = source_data(run, tokenizer)
             rows, eval_rows, report = sources.train, sources.eval, sources.report
-            # The rows are tokens already: one dataset's prompts come from its raw rows, a mixture's from the recipe.
-            raw = load_checked_dataset(data_args)[0] if not data_args.datasets else []
-            sample_prompts = sample_prompts_for_run(training, raw, data_args.dataset_format)
-        else:
-            fmt.check_trainable(good_rows, tokenizer, tokenization)
+            sample_prompts = sample_prompts_for_run(training, sources.raw_train, sources.raw_eval)
+        else:  # one unpacked dataset: TRL tokenizes it
+            fmt.check_trainable(rows, tokenizer, tokenization)
+            train = fmt.prepare(rows, tokenizer, tokenization, report)
         if run.packs_blocks:  # each rank (x dataloader worker) reads and tokenizes its own shard
             block_stream = RankLocalBlockStream(
                 rows, tokenizer, training.max_length, *run.data_reader,
                 split_examples=data_args.split_examples, template_kwargs=tokenization.template_kwargs,
-                packing_window=data_args.packing_window,
+                packing_window=data_args.packing_window, num_sources=len(report.sources),
             )
             collator = collate_blocks(BlockDiagonalCollator(training.max_length, tokenizer.pad_token_id,
                                                             block_per_row=True))
-            if not from_sources:  # a mixture's report counts per source, up front
-                count_stream = partial(report.count_stream, max_dropped_share=data_args.max_dropped_share)
-        else:  # a mixture's rows are tokens + labels already
-            train = rows if from_sources else fmt.prepare(rows, tokenizer, tokenization, report)
+            # What the readers drop, and each source's tokens, summed over ranks after every step
+            count_stream = partial(report.count_stream, max_dropped_share=data_args.max_dropped_share)
+        elif from_sources:  # a mixture's rows are tokens + labels already
+            train = rows
     if run.is_main:
         print(report.format(), flush=True)
         if from_sources:
             print(describe_eval(eval_rows), flush=True)
     report.enforce(data_args.max_dropped_share)
     return RunData(train=train, block_stream=block_stream, collator=collator, report=report,
-                   sample_prompts=sample_prompts, count_stream=count_stream, eval=eval_rows)
+                   sample_prompts=sample_prompts, count_stream=count_stream, stream_reads=stream_reads, eval=eval_rows)
 
 
 def audit_data(run: Run, tokenizer, n: int) -> str:

@@ -75,7 +75,8 @@ def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Traini
         adapter_checkpoints=built.lora_config is not None,  # checkpoints in PEFT format too
         sequence_parallel=run.sequence_parallel.layout if run.sequence_parallel is not None else None,
         callbacks=[RecipeParamsCallback(recipe.values), summary,
-                   DataReportCallback(data.report, counted_while_training=data.count_stream is not None),
+                   *([data.stream_reads] if data.stream_reads is not None else []),  # before the report is written
+                   DataReportCallback(data.report, counted_while_training=data.counted_while_training),
                    *fault_tolerance_callbacks(training_args, recipe_identity(recipe)), *reporting],
     )
     layout = verify_distributed(trainer)
