@@ -25,8 +25,9 @@ from sft_recipes.data.masking import (
     TRUNCATED_AWAY,
     mask_conversations,
     tokenize_conversations,
-    tokenize_dataset,
 )
+from sft_recipes.data.formats import FORMATS, Tokenization
+from sft_recipes.data.report import DataReport
 from sft_recipes.tiny import REALWORLD_DIR, SAMPLES_DIR, build_tokenizer, tiny_config
 
 TEMPLATES = REALWORLD_DIR / "chat_templates"
@@ -509,20 +510,15 @@ def test_truncation_keeps_the_mask_bits_under_the_kept_tokens(llama):
     assert gone.drop_reason == TRUNCATED_AWAY and sum(gone.assistant_masks) == 0
 
 
-def test_batched_map_keeps_rows_aligned_and_tokenize_dataset_filters(llama):
+def test_batched_map_keeps_rows_aligned_and_the_chat_format_drops_and_counts(llama):
     raw = Dataset.from_list([{"messages": CHAT}, {"messages": [{"role": "user", "content": "?"}]}] * 3)
     mapped = raw.map(lambda batch: tokenize_conversations(llama, batch["messages"]), batched=True, batch_size=4)
     assert mapped["drop_reason"] == ["", NO_ASSISTANT_TURN] * 3
 
-    dataset, counts = tokenize_dataset(raw, llama, batch_size=4)
-    assert counts == {NO_ASSISTANT_TURN: 3}
+    report = DataReport("chat", rows=len(raw))
+    dataset = FORMATS["messages"].prepare(raw, llama, Tokenization(max_length=None), report)
+    assert report.dropped == {NO_ASSISTANT_TURN: 3}
     assert dataset.column_names == ["input_ids", "assistant_masks"] and len(dataset) == 3
-
-
-def test_a_dataset_with_nothing_to_learn_is_an_error(llama):
-    raw = Dataset.from_list([{"messages": [{"role": "user", "content": "?"}]}] * 2)
-    with pytest.raises(ValueError, match="None of the 2 conversations has an assistant token"):
-        tokenize_dataset(raw, llama)
 
 
 def test_tool_calls_are_refused_not_mismasked(llama):
@@ -552,7 +548,8 @@ def test_template_without_a_special_stop_token_is_an_error():
 
 def test_trl_builds_labels_from_assistant_masks_without_retokenizing(llama):
     conversations = sample_conversations("ultrachat.jsonl")[:4]
-    dataset, _ = tokenize_dataset(Dataset.from_list([{"messages": c} for c in conversations]), llama)
+    rows = Dataset.from_list([{"messages": c} for c in conversations])
+    dataset = FORMATS["messages"].prepare(rows, llama, Tokenization(max_length=None), DataReport("chat"))
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     with tempfile.TemporaryDirectory() as out:
         args = SFTConfig(output_dir=out, use_cpu=True, bf16=False, report_to="none", max_length=None)

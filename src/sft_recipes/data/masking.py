@@ -54,7 +54,6 @@ from dataclasses import dataclass
 from os.path import commonprefix
 from typing import Any
 
-from datasets import Dataset
 from jinja2 import TemplateError
 from tokenizers import Encoding
 from transformers import PreTrainedTokenizerBase
@@ -111,8 +110,8 @@ def tokenize_conversations(
 ) -> dict[str, list]:
     """Columns ``input_ids``, ``assistant_masks`` (1 = in the loss) and ``drop_reason`` per row.
 
-    Made for ``datasets.map(batched=True)``: rows stay aligned with the input; filter on
-    ``drop_reason == ""`` (see ``tokenize_dataset``). ``max_length`` keeps the first tokens and the
+    Made for ``datasets.map(batched=True)``: rows stay aligned with the input; keep the rows with
+    ``drop_reason == ""`` (as `DatasetFormat.prepare` does). ``max_length`` keeps the first tokens and the
     mask bits under them; a row left with no supervised token is dropped as ``truncated_away``.
     ``template_kwargs`` (``enable_thinking``, ``reasoning_effort``, ``tools``...) reach the template.
     TRL 1.16 turns these columns into labels with the default ``SFTConfig`` (leave
@@ -129,39 +128,6 @@ def tokenize_conversations(
 def drop_counts(drop_reasons: Iterable[str]) -> dict[str, int]:
     """How many rows each drop reason removed (kept rows are not counted)."""
     return dict(Counter(reason for reason in drop_reasons if reason != KEPT))
-
-
-def tokenize_dataset(
-    dataset: Dataset,
-    tokenizer: PreTrainedTokenizerBase,
-    messages_field: str = "messages",
-    max_length: int | None = None,
-    batch_size: int = 512,
-    num_proc: int | None = None,
-    **template_kwargs: Any,
-) -> tuple[Dataset, dict[str, int]]:
-    """A map-style ``datasets.Dataset`` of conversations -> (tokenized dataset, drop counts).
-
-    The result has only ``input_ids`` and ``assistant_masks``: the pre-tokenized form SFTTrainer
-    takes as is. ValueError when no row has anything to learn.
-    """
-    tokenized = dataset.map(
-        lambda batch: tokenize_conversations(tokenizer, batch[messages_field], max_length, **template_kwargs),
-        batched=True,
-        batch_size=batch_size,
-        num_proc=num_proc,
-        remove_columns=dataset.column_names,
-        desc="Tokenizing conversations with assistant masks",
-    )
-    counts = drop_counts(tokenized["drop_reason"])
-    if sum(counts.values()) == len(tokenized):
-        raise ValueError(
-            f"None of the {len(tokenized)} conversations has an assistant token to learn "
-            f"(dropped: {counts}). Check that `{messages_field}` holds assistant turns with text"
-            + (f" and that max_length={max_length} leaves room for them." if max_length else ".")
-        )
-    kept = tokenized.filter(lambda reasons: [r == KEPT for r in reasons], input_columns="drop_reason", batched=True)
-    return kept.remove_columns("drop_reason"), counts
 
 
 def mask_conversations(
