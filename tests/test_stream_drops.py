@@ -123,6 +123,7 @@ def test_the_packed_share_is_the_map_share_of_the_same_rows():
     assert ("after 30 of 300 rows dropped up front, the stream read 270 rows while training and dropped "
             "prefix_mismatch 81") in message
     assert "--audit-data" in message and "raise max_dropped_share" in message
+    assert "; packed while training: 270 read, dropped prefix_mismatch 81 (37.00% dropped in all)" in packed.format()
 
 
 def test_the_running_share_waits_for_enough_rows_unless_the_stream_ended():
@@ -251,8 +252,12 @@ def test_a_streamed_mixture_counts_each_source_and_refuses_the_bad_one_by_name(t
     assert re.match(rf"error: Refusing to go on: 3\d\.\d\d% of the rows of {re.escape(str(bad))} are dropped", errors[0])
     # Allowed: both sources' rows, tokens and drops counted over every reader, in data_report.json.
     out = tmp_path / "allowed"
-    launch_sft(path, "--output_dir", str(out), *common, "--max_dropped_share", "0.4")
+    result = launch_sft(path, "--output_dir", str(out), *common, "--max_dropped_share", "0.4")
     clean_report, bad_report = json.loads((out / "data_report.json").read_text())["sources"]
+    end = result.stdout[result.stdout.index("[data] read while training:"):]
+    assert re.search(rf"source 1 {re.escape(str(bad))}: streamed; the stream read {bad_report['read_while_training']['rows']} "
+                     r"rows while training and dropped invalid_json \d+ \(3\d\.\d\d%\)", end), end
+    assert f"{bad_report['supervised_tokens']:,} supervised" in end
     assert clean_report["read_while_training"]["dropped"] == {} and clean_report["supervised_tokens"] > 0
     read = bad_report["read_while_training"]
     assert read["dropped"]["invalid_json"] == pytest.approx(read["rows"] / 3, abs=1)

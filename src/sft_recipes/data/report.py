@@ -100,14 +100,20 @@ class DataReport:
         return report_params(self.as_dict())
 
     def format(self) -> str:
-        if self.streamed:
+        if self.streamed and self.stream_rows is None:
             return (f"[data] {self.source}: streamed; bad rows are dropped as they are read, logged (the 1st, "
                     "10th, 100th... of each reason per reader) and counted over all readers")
+        if self.streamed:
+            return f"[data] {self.source}: streamed; {self.describe_stream()} ({self.dropped_share:.2%})"
         reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(self.dropped.items())) or "none"
         line = (f"[data] {self.source}: {self.rows} rows, kept {self.kept}, dropped {sum(self.dropped.values())} "
                 f"({self.dropped_share:.2%}: {reasons}), truncated {self.truncated}")
         if self.trainable_tokens is not None:
             line += f", trainable tokens {self.trainable_tokens}"
+        if self.stream_rows is not None:
+            dropped = ", ".join(f"{reason} {count}" for reason, count in sorted(self.stream_dropped.items())) or "none"
+            line += (f"; packed while training: {self.stream_rows} read, dropped {dropped} "
+                     f"({self.dropped_share:.2%} dropped in all)")
         return "\n".join([line, *(f"  first {reason} row, {example}" for reason, example in sorted(self.examples.items()))])
 
     def enforce(self, max_dropped_share: float) -> None:

@@ -58,7 +58,8 @@ class RecipeParamsCallback(TrainerCallback):
 class DataReportCallback(TrainerCallback):
     """Write the report to output_dir/data_report.json; log its counts to MLflow as `data.*` params.
 
-    A packed stream counts its drops while training: the file is written again at the end with them.
+    Rows read while training (a packed stream's readers, a stream read unpacked) are counted as they
+    are read: at the end the report is printed again and the file written again with those counts.
     """
 
     def __init__(self, report: DataReport | MixtureReport, counted_while_training: bool = False) -> None:
@@ -73,6 +74,7 @@ class DataReportCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.counted_while_training:
+            print(f"[data] read while training:\n{self.report.format()}", flush=True)
             self._write(args)
 
     def on_train_begin(self, args, state, control, **kwargs):
