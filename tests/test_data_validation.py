@@ -137,15 +137,17 @@ def test_length_policy_counts_what_trl_truncates_and_drops(tokenizer, trl_prepar
 
     alpaca = FORMATS["alpaca"]
     report = DataReport("x")
-    kept = alpaca.prepare(raw, tokenizer, Tokenization(max_length=max_length), report)
+    kept = alpaca.to_tokens(raw, tokenizer, Tokenization(max_length=max_length), report)
     assert dict(report.dropped) == {"no_trainable_tokens": targets_left.count(0)}
     assert report.truncated == truncated - targets_left.count(0)
     assert report.trainable_tokens == sum(targets_left)
     assert len(kept) == len(raw) - targets_left.count(0)
-    assert kept.to_list() == [alpaca_to_prompt_completion(row) for row, left in zip(raw, targets_left) if left]
+    # The rows kept are TRL's own, cut where TRL cuts them.
+    assert kept["input_ids"] == [ids[:max_length] for ids, left in zip(prepared["input_ids"], targets_left) if left]
+    assert kept["labels"] == [labels[:max_length] for labels, left in zip(prepared["labels"], targets_left) if left]
 
     report = DataReport("x")
-    kept = alpaca.prepare(raw, tokenizer, Tokenization(max_length=max_length, overlong_policy="drop"), report)
+    kept = alpaca.to_tokens(raw, tokenizer, Tokenization(max_length=max_length, overlong_policy="drop"), report)
     assert report.dropped["overlong"] == truncated
     assert len(kept) == len(raw) - truncated
 

@@ -73,7 +73,10 @@ def test_every_bad_entry_is_named_at_once_with_its_fix(tmp_path):
 @pytest.mark.parametrize(("values", "problem"), [
     ({"dataset_name": ALPACA, "datasets": [{"path": ALPACA}]}, "either dataset_name (one dataset) or datasets"),
     ({"datasets": [{"path": ALPACA, "fraction": 1}, {"path": ULTRACHAT}]}, "give `fraction` on every entry or on none"),
-    ({"datasets": [{"path": ULTRACHAT}], "streaming": True}, "a streamed mixture is read by the packed stream"),
+    ({"datasets": [{"path": ULTRACHAT, "dataset_format": "messages"}], "streaming": True},
+     "is streamed with dataset_format 'messages': streamed conversations are read by the packed block stream"),
+    ({"dataset_name": ULTRACHAT, "dataset_format": "messages", "dataset_streaming": True},
+     "is streamed with dataset_format 'messages': streamed conversations are read by the packed block stream"),
     ({"datasets": [{"path": ALPACA, "dataset_format": "alpaca"}], "pack_blocks": True},
      "has dataset_format 'alpaca'; pack_blocks packs chat conversations"),
     ({"dataset_name": ALPACA, "test_split_size": 0.1, "eval_datasets": [{"path": ALPACA}]},

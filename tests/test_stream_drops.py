@@ -227,12 +227,12 @@ def test_a_stream_read_unpacked_counts_the_rows_where_they_are_read_and_limits_t
     device = SimpleNamespace(device=torch.device("cpu"))
     first = [row["instruction"] for _, row in zip(range(100), rows)]  # 100 good rows: lines 0-132, 33 bad
     assert first[:2] == [json.loads(alpaca[0])["instruction"], json.loads(alpaca[2])["instruction"]]
-    StreamedRowDropsCallback(report, max_dropped_share=0.2).on_step_end(device, None, None)  # < 200: not judged
+    StreamedRowDropsCallback([report], max_dropped_share=0.2).on_step_end(device, None, None)  # < 200: not judged
     assert (report.stream_rows, dict(report.stream_dropped)) == (133, {"invalid_json": 33})
     assert sum(1 for _ in rows) == 225  # a whole pass: 300 lines, 75 bad; with the first 133, 108 of 433 bad
     with pytest.raises(RecipeError, match=r"24\.94% of the rows of .*alpaca.jsonl are dropped, more than "
                                           r"max_dropped_share=0\.2 \(the stream read 433 rows"):
-        StreamedRowDropsCallback(report, max_dropped_share=0.2).on_train_end(device, None, None)
+        StreamedRowDropsCallback([report], max_dropped_share=0.2).on_train_end(device, None, None)
 
 
 @pytest.mark.fsdp

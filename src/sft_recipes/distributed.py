@@ -56,6 +56,29 @@ def process_group_destroyed_on_exit():
             torch.distributed.destroy_process_group()
 
 
+@contextlib.contextmanager
+def prepared_once_per_cache():
+    """Run the block on the global main process first, then on each node's local main, then on the rest (TRL's
+    `global_then_local_main_first`: work that fills a cache happens once per cache), where a process that goes
+    first and fails still releases the ones waiting on it. Those then run the block and meet the same refusal
+    on their own (data checks are deterministic), instead of dying in a barrier their first process left.
+    """
+    state = PartialState()
+
+    @contextlib.contextmanager
+    def goes_first(first: bool):
+        if not first:
+            state.wait_for_everyone()
+        try:
+            yield
+        finally:
+            if first:
+                state.wait_for_everyone()
+
+    with goes_first(state.is_main_process), goes_first(state.is_local_main_process):
+        yield
+
+
 def enable_cpu_fsdp() -> None:
     """Let accelerate run FSDP over gloo when there is no accelerator (idempotent).
 

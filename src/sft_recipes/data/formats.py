@@ -1,13 +1,16 @@
 """The dataset-format registry: each `dataset_format` is one object that owns its columns, its row
 rules, how its rows become what SFTTrainer trains on, and the length policy, counted on that output.
 
-- alpaca: the Llama seed's exact prompt as TRL prompt/completion (TRL tokenizes; completion-only loss);
-- text: plain text (TRL tokenizes);
+- alpaca: the Llama seed's exact prompt as prompt/completion, tokenized exactly as TRL 1.16 tokenizes
+  it (tested); completion-only loss;
+- text: plain text, every token trained (tokenized as TRL does);
 - messages: chat conversations, rendered and tokenized once with assistant-only masks (`masking.py`);
 - reasoning: messages whose assistant turns carry `thinking`, checked first to be trained.
 
 `to_tokens` gives every format's rows one shape, `input_ids` + `labels`, so that sources in
-different formats concatenate into one mixture (`mixture.py`); SFTTrainer takes such rows as they are.
+different formats concatenate into one mixture (`mixture.py`; one dataset is a one-entry mixture);
+SFTTrainer takes such rows as they are. Packed runs read chat conversations instead, and the block
+stream tokenizes them (`blocks.py`).
 
 Adding a format is adding one entry to `FORMATS`. The rows a format sees have passed its row rules
 (`row_problem`, applied where the rows are read: `sources.py`).
@@ -15,12 +18,13 @@ Adding a format is adding one entry to `FORMATS`. The rows a format sees have pa
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.compute as pc
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from transformers import PreTrainedTokenizerBase
 from trl.data_utils import common_prefix_length
 
@@ -76,26 +80,19 @@ class DatasetFormat:
     def check_trainable(self, rows, tokenizer: PreTrainedTokenizerBase, tokenization: Tokenization) -> None:
         """RecipeError when the rows, as this run tokenizes them, would not train what the format promises."""
 
-    def prepare(self, rows: Dataset, tokenizer: PreTrainedTokenizerBase, tokenization: Tokenization,
-                report: DataReport) -> Dataset:
-        """The rows as SFTTrainer takes them, after the length policy; drops and trainable tokens go to `report`."""
-        raise NotImplementedError
-
-    def to_tokens(self, rows: Dataset, tokenizer: PreTrainedTokenizerBase, tokenization: Tokenization,
-                  report: DataReport) -> Dataset:
-        """`prepare`, as `input_ids` + `labels` rows (-100 where nothing is learned), cut to max_length."""
+    def to_tokens(self, rows: Dataset | IterableDataset, tokenizer: PreTrainedTokenizerBase,
+                  tokenization: Tokenization, report: DataReport) -> Dataset | IterableDataset:
+        """`input_ids` + `labels` rows (-100 where nothing is learned) after the length policy, cut to max_length;
+        drops and trainable tokens go to `report`."""
         raise NotImplementedError
 
 
-class _TokenizedByTrl(DatasetFormat):
-    """Formats TRL tokenizes itself; lengths are counted the way TRL tokenizes (eos appended)."""
+class _TokenizedAsTrl(DatasetFormat):
+    """Prompt/completion and text formats, tokenized as TRL 1.16 tokenizes them (eos appended)."""
 
     def texts(self, rows: dict[str, list], eos: str) -> tuple[list[str], list[str] | None]:
         """(prompt + completion texts, prompt texts or None when there is no prompt) of a batch of rows."""
         raise NotImplementedError
-
-    def to_trainable(self, rows: Dataset) -> Dataset:
-        return rows
 
     def _token_counts(self, rows: dict[str, list], tokenizer: PreTrainedTokenizerBase, tokenization: Tokenization
                       ) -> tuple[list[int], list[int]]:
@@ -107,16 +104,17 @@ class _TokenizedByTrl(DatasetFormat):
         prompt_lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]]
         return lengths, [max(length - prompt, 0) for length, prompt in zip(lengths, prompt_lengths)]
 
-    def prepare(self, rows, tokenizer, tokenization, report):
-        if tokenization.max_length is not None and isinstance(rows, Dataset):  # a stream is cut by TRL as it goes
-            rows = self._apply_length_policy(rows, tokenizer, tokenization, report)
-        return self.to_trainable(rows)
-
     def to_tokens(self, rows, tokenizer, tokenization, report):
+        """A map-style dataset: the length policy first, on counted tokens. A stream is tokenized as it is read
+        and cut at max_length (keep_start, as TRL cuts a stream); it cannot be counted up front."""
+        tokenize = functools.partial(self._tokens, tokenizer=tokenizer, tokenization=tokenization)
+        if isinstance(rows, IterableDataset):
+            return rows.map(tokenize, batched=True, batch_size=MASKING_BATCH,
+                            remove_columns=rows.column_names or self.columns)
         if tokenization.max_length is not None:
             rows = self._apply_length_policy(rows, tokenizer, tokenization, report)
-        return rows.map(lambda batch: self._tokens(batch, tokenizer, tokenization), batched=True,
-                        batch_size=MASKING_BATCH, remove_columns=rows.column_names, desc=f"Tokenizing {self.name} rows")
+        return rows.map(tokenize, batched=True, batch_size=MASKING_BATCH, remove_columns=rows.column_names,
+                        desc=f"Tokenizing {self.name} rows")
 
     def _tokens(self, rows: dict[str, list], tokenizer, tokenization: Tokenization) -> dict[str, list]:
         """As TRL 1.16 tokenizes: the full text, and the prompt alone; the completion starts where they
@@ -173,7 +171,7 @@ def _with_eos(text: str, eos: str) -> str:
     return text if text.endswith(eos) else text + eos
 
 
-class AlpacaFormat(_TokenizedByTrl):
+class AlpacaFormat(_TokenizedAsTrl):
     name = "alpaca"
     description = "instruction/input/output, the Llama seed's prompt, completion-only loss"
     required = frozenset({"instruction", "output"})
@@ -187,11 +185,8 @@ class AlpacaFormat(_TokenizedByTrl):
         pairs = [alpaca_to_prompt_completion(dict(zip(rows, values))) for values in zip(*rows.values())]
         return ([p["prompt"] + _with_eos(p["completion"], eos) for p in pairs], [p["prompt"] for p in pairs])
 
-    def to_trainable(self, rows):
-        return rows.map(alpaca_to_prompt_completion, remove_columns=rows.column_names)
 
-
-class TextFormat(_TokenizedByTrl):
+class TextFormat(_TokenizedAsTrl):
     name = "text"
     description = "plain text, every token trained"
     required = frozenset({"text"})
@@ -213,10 +208,9 @@ class ChatFormat(DatasetFormat):
         return messages_problem(row.get("messages"))
 
     def prepare(self, rows, tokenizer, tokenization, report):
-        """Render and tokenize every conversation once, then cut or drop the overlong ones on that output."""
-        if not isinstance(rows, Dataset):
-            raise RecipeError(f"a streamed dataset with dataset_format: {self.name} needs `pack_blocks: true` (each "
-                              "rank then reads and packs its own shard), or dataset_streaming: false")
+        """`input_ids` + `assistant_masks`: every conversation rendered and tokenized once, then the overlong
+        ones cut or dropped on that output (a stream of conversations is packed instead: `check_data_sources`)."""
+        assert isinstance(rows, Dataset), "streamed chat rows are read by the packed block stream"
         self.check_trainable(rows, tokenizer, tokenization)
         tokenized = rows.map(
             lambda batch: tokenize_conversations(tokenizer, batch["messages"], None, **tokenization.template_kwargs),

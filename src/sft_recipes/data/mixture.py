@@ -14,7 +14,8 @@ and `mixture_strategy`. The single-dataset keys (`dataset_name` ...) stay: they 
   report says how often). Map-style rows are drawn with the recipe's `seed` and the sources
   shuffled together (TRL concatenates A then B).
 - Streamed (`streaming` or `dataset_streaming`): the sources are interleaved with the normalised
-  fractions as probabilities, seeded, under the same `mixture_strategy`. `first_exhausted` is the
+  fractions as probabilities, seeded, under the same `mixture_strategy` (tokenized as they are read
+  when unpacked: alpaca and text; conversations are read by the packed block stream). `first_exhausted` is the
   default because a stream is not counted up front: stopping at the first source to run out keeps
   the shares true without silently cycling a small source thousands of times under a large one.
   Packed runs read the mixed rows through the usual per-rank x worker readers
@@ -71,12 +72,6 @@ def eval_sources(data_args) -> list[DatasetSource]:
     return parse_sources(data_args.eval_datasets, "eval_datasets", data_args.dataset_format)
 
 
-def uses_source_pipeline(data_args) -> bool:
-    """Whether this module builds the data: a mixture, any eval data, or packed blocks (the readers count
-    per source). Else one unpacked dataset, which TRL tokenizes itself."""
-    return bool(data_args.datasets or data_args.eval_datasets or data_args.test_split_size or data_args.pack_blocks)
-
-
 def check_data_sources(data_args) -> None:
     """RecipeError naming every problem with the data-source keys of a recipe (run by DataArguments)."""
     problems = []
@@ -92,22 +87,22 @@ def check_data_sources(data_args) -> None:
     if size is not None and data_args.eval_datasets:
         problems.append("give either eval_datasets or test_split_size as the eval data, not both")
     for key, read in (("datasets", training_sources), ("eval_datasets", eval_sources)):
-        if key == "datasets" and data_args.datasets is None:
-            continue
         try:
-            sources = read(data_args)
+            sources = read(data_args) if key == "eval_datasets" or data_args.datasets or data_args.dataset_name else []
         except RecipeError as err:
             problems.append(str(err))
             continue
         if key == "eval_datasets" and any(source.fraction is not None for source in sources):
             problems.append("eval_datasets: `fraction` is not used for eval (every eval row counts); remove it")
-        if data_args.pack_blocks:
+        if data_args.pack_blocks and (key == "eval_datasets" or data_args.datasets):  # one dataset: the linter's
             problems += [f"{key}: {source.label} has dataset_format {source.dataset_format!r}; pack_blocks packs "
                          f"chat conversations ({' or '.join(CHAT_FORMATS)})"
                          for source in sources if source.dataset_format not in CHAT_FORMATS]
-    if data_args.datasets and is_streamed(data_args) and not data_args.pack_blocks:
-        problems.append("a streamed mixture is read by the packed stream: set pack_blocks: true (chat sources), "
-                        "or streaming: false")
+        if key == "datasets" and is_streamed(data_args) and not data_args.pack_blocks:
+            problems += [f"{source.label} is streamed with dataset_format {source.dataset_format!r}: streamed "
+                         "conversations are read by the packed block stream (each rank reads and packs its own "
+                         "shard, counting what it drops): set pack_blocks: true, or streaming: false"
+                         for source in sources if source.dataset_format in CHAT_FORMATS]
     if problems:
         raise RecipeError("; ".join(problems))
 
@@ -170,7 +165,7 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
     streaming = is_streamed(data_args)
     packs = data_args.pack_blocks
     marked = packs and streaming  # bad streamed rows stay in the stream, flagged, for its readers to count
-    report = MixtureReport(streamed=streaming)
+    report = MixtureReport(streamed=streaming, packed=packs)
     train_parts, eval_parts, raw_train = [], [], []
     for index, source in enumerate(training_sources(data_args)):
         fmt = FORMATS[source.dataset_format]
@@ -197,7 +192,7 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
         eval_parts.append((source, rows))
     entries = report.sources
     if streaming:
-        columns = ["messages", SOURCE_FIELD, *([ROW_PROBLEM] if marked else [])]
+        columns = ["messages", SOURCE_FIELD, *([ROW_PROBLEM] if marked else [])] if packs else ["input_ids", "labels"]
         train = _interleaved(train_parts, columns, [s.fraction for s in entries], data_args.mixture_strategy, seed)
     else:
         if packs:
@@ -245,15 +240,17 @@ def _interleaved(streams: list[IterableDataset], columns: list[str], fractions: 
     """One seeded stream of `columns` drawing from every source with the normalised fractions as probabilities.
 
     A stream's types are not known before it is read, and `datasets` refuses to interleave sources
-    whose messages differ in their fields (a reasoning source's `thinking`): the conversations travel
+    whose messages differ in their fields (a reasoning source's `thinking`): conversations travel
     through the interleave as JSON text and are read back after it."""
     streams = [stream.select_columns(columns) for stream in streams]
     if len(streams) == 1:
         return streams[0]
-    encoded = [stream.map(_encode_messages, remove_columns=["messages"]) for stream in streams]
+    conversations = "messages" in columns
+    if conversations:
+        streams = [stream.map(_encode_messages, remove_columns=["messages"]) for stream in streams]
     probabilities = None if None in fractions else [fraction / sum(fractions) for fraction in fractions]
-    mixed = interleave_datasets(encoded, probabilities=probabilities, seed=seed, stopping_strategy=strategy)
-    return mixed.map(_decode_messages, remove_columns=["messages_json"])
+    mixed = interleave_datasets(streams, probabilities=probabilities, seed=seed, stopping_strategy=strategy)
+    return mixed.map(_decode_messages, remove_columns=["messages_json"]) if conversations else mixed
 
 
 def eval_blocks(rows: Dataset, tokenizer, block_length: int, template_kwargs: dict[str, Any] | None = None

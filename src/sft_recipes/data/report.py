@@ -37,7 +37,8 @@ class DataReport:
     truncated: int = 0
     trainable_tokens: int | None = None  # None: not counted (streamed, or masked later)
     streamed: bool = False
-    stream_rows: int | None = None  # conversations the packed stream's readers read, all ranks (None: no stream)
+    stream_key: str | None = None  # a stream: the name its readers count it under (`sources.STREAM_READS`)
+    stream_rows: int | None = None  # rows read while training, all ranks (None: nothing read while training)
     stream_dropped: Counter = field(default_factory=Counter)  # what they dropped, per reason
 
     def drop(self, reason: str, where: str, row: Any) -> None:
@@ -163,6 +164,7 @@ class MixtureReport:
 
     sources: list[SourceReport] = field(default_factory=list)
     streamed: bool = False
+    packed: bool = False  # read by the packed block stream: tokens counted while training
 
     def _share(self, source: SourceReport) -> float | None:
         counted = [s.supervised_tokens for s in self.sources]
@@ -209,17 +211,23 @@ class MixtureReport:
 
     def format(self) -> str:
         lines = []
+        mixture = len(self.sources) > 1
         for index, source in enumerate(self.sources):
             entry = self.source_dict(source)
-            lines.append(source.checked.format().replace("[data] ", f"[data] source {index} ", 1))
+            name = f"source {index} " if mixture else ""
+            lines.append(source.checked.format().replace("[data] ", f"[data] {name}", 1))
             repeated = f", repeated {entry['times_used']:.2f}x" if source.times_used > 1 else ""
             share = entry["supervised_token_share"]
-            counted = (f"{entry['tokens']:,} tokens, {entry['supervised_tokens']:,} supervised "
-                       f"({share:.1%} of the mixture's)" if share is not None else "tokens counted by the packed stream")
+            if entry["supervised_tokens"] is not None:
+                counted = f"{entry['tokens']:,} tokens, {entry['supervised_tokens']:,} supervised"
+                counted += f" ({share:.1%} of the mixture's)" if mixture and share is not None else ""
+            else:
+                counted = "tokens counted while training" if self.packed else "tokens not counted (tokenized as read)"
             drawn = ("streamed" if self.streamed else
                      f"{source.mixture_rows:,} of {source.available_rows:,} training rows{repeated}")
             fraction = f" (fraction {source.fraction})" if source.fraction is not None else ""
-            lines.append(f"  in the mixture: {drawn}{fraction}, {counted}; eval rows {source.eval_rows:,}")
+            where = "in the mixture" if mixture else "trained on"
+            lines.append(f"  {where}: {drawn}{fraction}, {counted}; eval rows {source.eval_rows:,}")
         return "\n".join(lines)
 
     def enforce(self, max_dropped_share: float) -> None:

@@ -51,9 +51,8 @@ def load_raw_dataset(data_args) -> Dataset | IterableDataset:
         dataset = load_dataset(str(path), split=split, streaming=data_args.dataset_streaming,
                                data_dir=getattr(data_args, "dataset_data_dir", None),
                                data_files=getattr(data_args, "dataset_data_files", None))
-    elif name.startswith((".", "/")) or path.suffix in LOCAL_BUILDERS:
-        raise RecipeError(f"Dataset file not found: {path} (dataset_name). Check the path relative to {Path.cwd()}.")
     else:
+        refuse_missing_local_path(name)
         dataset = load_dataset(
             name,
             data_args.dataset_config,
@@ -71,6 +70,14 @@ def load_raw_dataset(data_args) -> Dataset | IterableDataset:
         else:
             dataset = dataset.select(range(min(data_args.max_train_samples, len(dataset))))
     return dataset
+
+
+def refuse_missing_local_path(name: str, key: str = "dataset_name") -> None:
+    """RecipeError when `name` is meant as a local file or folder (a path-like name or a data file suffix) and
+    is not there; a Hub id passes. Cheap: every rank can check before any rank waits on another."""
+    path = Path(name)
+    if not path.exists() and (name.startswith((".", "/")) or path.suffix in LOCAL_BUILDERS):
+        raise RecipeError(f"Dataset file not found: {path} ({key}). Check the path relative to {Path.cwd()}.")
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str]]:
@@ -161,8 +168,7 @@ def _streamed_jsonl(path: Path, data_args, mark_bad_rows: bool) -> tuple[Iterabl
         "path": str(path), "dataset_format": data_args.dataset_format, "mark_bad_rows": mark_bad_rows})
     if data_args.max_train_samples is not None:
         dataset = dataset.take(data_args.max_train_samples)
-    report = DataReport(source=str(path))
-    report.streamed = True
+    report = DataReport(source=str(path), streamed=True, stream_key=str(path))
     return dataset, report
 
 
@@ -208,7 +214,7 @@ def load_checked_dataset(data_args, mark_bad_rows: bool = False) -> tuple[Datase
     fmt.check_columns(dataset.column_names, data_args.dataset_name)
     report = DataReport(source=data_args.dataset_name)
     if isinstance(dataset, IterableDataset):
-        report.streamed = True
+        report.streamed, report.stream_key = True, data_args.dataset_name
         check = StreamedRowCheck(data_args.dataset_name, fmt.name)
         return (dataset.map(check.mark) if mark_bad_rows else dataset.filter(check)), report
     problems = [fmt.row_problem(row) for row in dataset]

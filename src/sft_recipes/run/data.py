@@ -1,6 +1,5 @@
 """Rows -> what the trainer trains on: the train dataset (or packed block stream), its collator, the eval
-rows, the report. Packed blocks, a mixture or any eval data are read by `data/mixture.py` (one dataset is a
-one-entry mixture there); one unpacked dataset without eval goes to TRL as rows, and TRL tokenizes it."""
+rows, the report. Every recipe's data is read by `data/mixture.py`: one dataset is a one-entry mixture."""
 
 from __future__ import annotations
 
@@ -9,16 +8,16 @@ from dataclasses import dataclass
 from functools import partial
 
 from datasets import Dataset, IterableDataset
-from trl.trainer.utils import global_then_local_main_first
 
 from sft_recipes.data.audit import audit_dataset, format_report
 from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
 from sft_recipes.data.collator import BlockDiagonalCollator
 from sft_recipes.data.formats import CHAT_FORMATS
-from sft_recipes.data.mixture import SourceData, build_source_data, describe_eval, uses_source_pipeline
+from sft_recipes.data.mixture import SourceData, build_source_data, describe_eval
 from sft_recipes.data.report import DataReport, MixtureReport
 from sft_recipes.data.sources import load_checked_dataset
 from sft_recipes.data.stream_reads import StreamedRowDropsCallback
+from sft_recipes.distributed import prepared_once_per_cache
 from sft_recipes.errors import RecipeError
 from sft_recipes.reporting.samples import sample_prompts_for_run
 from sft_recipes.run.setup import Run
@@ -54,41 +53,30 @@ def build_data(run: Run, tokenizer) -> RunData:
     """Read the rows (bad ones dropped and counted), turn them into tokens + labels through their format,
     and refuse to train when too many were dropped or nothing is left to learn."""
     data_args, training = run.recipe.data, run.recipe.training
-    fmt, tokenization = run.data_format, run.tokenization
-    from_sources = uses_source_pipeline(data_args)
-    train, block_stream, collator, count_stream, stream_reads, eval_rows = None, None, None, None, None, None
-    if not from_sources:  # read on every rank before any waits on another: a refusal here is every rank's
-        rows, report = load_checked_dataset(data_args)
-        sample_prompts = sample_prompts_for_run(training, [(rows, fmt.name)])
-        if report.streamed:
-            stream_reads = StreamedRowDropsCallback(report, data_args.max_dropped_share)
-    with global_then_local_main_first():  # prepared once per datasets cache (shared or node-local), not per rank
-        if from_sources:  # per-source formats and shares, held-out eval rows, per-source report
-            sources = source_data(run, tokenizer)
-            rows, eval_rows, report = sources.train, sources.eval, sources.report
-            sample_prompts = sample_prompts_for_run(training, sources.raw_train, sources.raw_eval)
-        else:  # one unpacked dataset: TRL tokenizes it
-            fmt.check_trainable(rows, tokenizer, tokenization)
-            train = fmt.prepare(rows, tokenizer, tokenization, report)
-        if run.packs_blocks:  # each rank (x dataloader worker) reads and tokenizes its own shard
-            block_stream = RankLocalBlockStream(
-                rows, tokenizer, training.max_length, *run.data_reader,
-                split_examples=data_args.split_examples, template_kwargs=tokenization.template_kwargs,
-                packing_window=data_args.packing_window, num_sources=len(report.sources),
-            )
-            collator = collate_blocks(BlockDiagonalCollator(training.max_length, tokenizer.pad_token_id,
-                                                            block_per_row=True))
-            # What the readers drop, and each source's tokens, summed over ranks after every step
-            count_stream = partial(report.count_stream, max_dropped_share=data_args.max_dropped_share)
-        elif from_sources:  # a mixture's rows are tokens + labels already
-            train = rows
+    block_stream, collator, count_stream, stream_reads = None, None, None, None
+    with prepared_once_per_cache():  # once per datasets cache (shared or node-local), not per rank
+        sources = source_data(run, tokenizer)
+    report = sources.report
+    if run.packs_blocks:  # each rank (x dataloader worker) reads and tokenizes its own shard
+        block_stream = RankLocalBlockStream(
+            sources.train, tokenizer, training.max_length, *run.data_reader,
+            split_examples=data_args.split_examples, template_kwargs=run.tokenization.template_kwargs,
+            packing_window=data_args.packing_window, num_sources=len(report.sources),
+        )
+        collator = collate_blocks(BlockDiagonalCollator(training.max_length, tokenizer.pad_token_id,
+                                                        block_per_row=True))
+        # What the readers drop, and each source's tokens, summed over ranks after every step
+        count_stream = partial(report.count_stream, max_dropped_share=data_args.max_dropped_share)
+    elif report.streamed:  # tokenized as TRL's dataloader reads it, in the training process
+        stream_reads = StreamedRowDropsCallback([source.checked for source in report.sources],
+                                                data_args.max_dropped_share)
     if run.is_main:
         print(report.format(), flush=True)
-        if from_sources:
-            print(describe_eval(eval_rows), flush=True)
+        print(describe_eval(sources.eval), flush=True)
     report.enforce(data_args.max_dropped_share)
-    return RunData(train=train, block_stream=block_stream, collator=collator, report=report,
-                   sample_prompts=sample_prompts, count_stream=count_stream, stream_reads=stream_reads, eval=eval_rows)
+    return RunData(train=None if run.packs_blocks else sources.train, block_stream=block_stream, collator=collator,
+                   report=report, sample_prompts=sample_prompts_for_run(training, sources.raw_train, sources.raw_eval),
+                   count_stream=count_stream, stream_reads=stream_reads, eval=sources.eval)
 
 
 def audit_data(run: Run, tokenizer, n: int) -> str:
