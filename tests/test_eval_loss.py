@@ -21,7 +21,7 @@ from sft_recipes.data.mixture import eval_blocks
 from sft_recipes.loading import load_tokenizer
 from sft_recipes.run import Run
 from sft_recipes.run.data import source_data
-from sft_recipes.tiny import ensure_tiny
+from sft_recipes.tiny import ensure_tiny, tiny_config
 from sft_recipes.trainer import RecipeSFTTrainer
 from test_packing_equivalence import tiny_model
 
@@ -113,3 +113,29 @@ def test_two_process_mixture_run_reports_the_global_token_mean_eval_loss(tmp_pat
     assert abs(summary["eval_loss"] - sum(sums) / sum(counts)) < TOLERANCE
     report = json.loads((out / "data_report.json").read_text())
     assert [source["mixture_rows"] for source in report["sources"]] == [283, 121]
+
+
+def test_eval_scores_in_tiles_and_never_builds_the_full_logits(tmp_path):
+    """TRL's fused head, as in training: one 1024-token row over a 262,144-token vocabulary needs 1 GiB of
+    fp32 logits. Measured here above the weights: the model's own loss (eval before) peaks at 2.00x that, the
+    fused head at 0.53x (a 1024 x 32,768 tile and the CPU fallback's fp32 temporaries)."""
+    from test_plan import LiveTensorBytes
+
+    vocab, length = 262_144, 1024
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=vocab), dtype=torch.float32)
+    ids = torch.randint(0, vocab, (length,)).tolist()
+    rows = Dataset.from_list([{"input_ids": ids, "labels": ids}])
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=1, max_length=None, use_cpu=True,
+                             bf16=False, report_to=[], activation_checkpointing=False)
+    trainer = RecipeSFTTrainer(model=model, args=args, train_dataset=rows, eval_dataset=rows,
+                               processing_class=tokenizer_of("llama"))
+    tracker = LiveTensorBytes()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tracker.track(tensor)
+    weights = tracker.live
+    with tracker:
+        metrics = trainer.evaluate()
+    full_logits = length * vocab * 4
+    assert metrics["eval_tokens"] == length - 1 and metrics["eval_loss"] > 0
+    assert tracker.peak - weights < 0.75 * full_logits, (tracker.peak - weights) / full_logits

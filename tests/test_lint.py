@@ -47,7 +47,8 @@ CASES = {
         {"pack_blocks": True, "dataset_format": "alpaca", "dataset_name": "data/samples/alpaca.jsonl"}, {}, {},
         "pack_blocks needs a chat dataset_format"),
     "streamed_rows_counted_in_a_worker": (
-        {"dataset_streaming": True, "dataloader_num_workers": 2}, {}, {}, "set dataloader_num_workers: 0, or"),
+        {"dataset_streaming": True, "dataloader_num_workers": 2, "dataset_format": "alpaca",
+         "dataset_name": "data/samples/alpaca.jsonl"}, {}, {}, "set dataloader_num_workers: 0, or"),
     "packing_architecture_needs_our_fixes": (
         {"packing": True}, {"model_config": tiny_config("gpt_oss")}, {}, "use `pack_blocks: true`"),
     "hybrid_model_without_reference_kernels": (

@@ -6,6 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 from datasets import Dataset, IterableDataset
 from datasets.distributed import split_dataset_by_node
@@ -20,6 +21,7 @@ from sft_recipes.data.heldout import is_held_out, split_held_out
 from sft_recipes.data.mixture import draw_rows, mixture_rows, training_sources
 from sft_recipes.data.report import DataReport
 from sft_recipes.data.sources import DatasetSource, load_checked_dataset
+from sft_recipes.data.stream_reads import StreamedRowDropsCallback
 from sft_recipes.errors import RecipeError
 from sft_recipes.run import Run
 from sft_recipes.run.data import source_data
@@ -258,3 +260,31 @@ def test_map_style_packed_mixture_mixes_chat_formats_and_packs_eval_rows_whole(t
     segments = sum(len(lengths) for lengths in data.eval["seq_lengths"])
     assert segments == chat.eval_rows + reasoning.eval_rows
     assert all(sum(lengths) <= 256 for lengths in data.eval["seq_lengths"])
+
+
+def test_streamed_alpaca_and_text_are_tokenized_as_read_and_rows_cut_to_nothing_are_counted(tmp_path, monkeypatch):
+    monkeypatch.setattr("sft_recipes.data.sources.STREAM_READS", {})
+    alpaca = tmp_path / "alpaca.jsonl"
+    long = " ".join(["word"] * 200)  # its prompt alone fills max_length: nothing of the answer is left
+    alpaca.write_text("\n".join(json.dumps({"instruction": long if i % 2 else f"Say {i}.", "output": f"{i}"})
+                                for i in range(10)) + "\n")
+    text = tmp_path / "text.jsonl"
+    text.write_text("\n".join(json.dumps({"text": f"plain text {i}"}) for i in range(10)) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny("llama"))
+    recipe = load_recipe(write_recipe(tmp_path, dataset_name=str(alpaca), dataset_format="alpaca",
+                                      dataset_streaming=True, max_length=32))
+    data = build_source_data(recipe, tokenizer)
+    rows = list(data.train)
+    assert len(rows) == 5 and all(set(row) == {"input_ids", "labels"} and len(row["input_ids"]) <= 32 for row in rows)
+    assert all(any(label != -100 for label in row["labels"][1:]) for row in rows)
+    callback = StreamedRowDropsCallback([source.checked for source in data.report.sources], max_dropped_share=0.6)
+    callback.on_train_end(SimpleNamespace(device=torch.device("cpu")), None, None)
+    (source,) = data.report.as_dict()["sources"]
+    assert source["read_while_training"] == {"rows": 10, "dropped": {"no_trainable_tokens": 5}}
+
+    recipe = load_recipe(write_recipe(tmp_path, streaming=True, max_length=32, mixture_strategy="all_exhausted",
+                                      datasets=[{"path": str(alpaca), "dataset_format": "alpaca", "fraction": 0.5},
+                                                {"path": str(text), "dataset_format": "text", "fraction": 0.5}]))
+    mixed = list(build_source_data(recipe, tokenizer).train)
+    decoded = [tokenizer.decode(row["input_ids"]) for row in mixed]
+    assert any("plain text" in row for row in decoded) and any("Say" in row for row in decoded)

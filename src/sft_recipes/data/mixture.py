@@ -46,8 +46,10 @@ from sft_recipes.data.formats import CHAT_FORMATS, FORMATS, Tokenization
 from sft_recipes.data.heldout import split_held_out
 from sft_recipes.data.masking import KEPT, tokenize_conversations
 from sft_recipes.data.report import DataReport, MixtureReport, SourceReport
-from sft_recipes.data.rows import ROW_PROBLEM
-from sft_recipes.data.sources import DatasetSource, load_checked_dataset, parse_sources, without_marked_rows
+from sft_recipes.data.rows import NO_TRAINABLE_TOKENS, ROW_PROBLEM
+from sft_recipes.data.sources import (
+    DatasetSource, count_stream_drop, load_checked_dataset, parse_sources, without_marked_rows,
+)
 from sft_recipes.errors import RecipeError
 
 
@@ -186,6 +188,8 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
                 rows = rows.map(functools.partial(_from_source, index=index))
         else:
             rows = fmt.to_tokens(rows, tokenizer, tokenization, checked)
+            if streaming:  # cut as it is read: a row left without a target is dropped and counted there
+                rows = rows.filter(functools.partial(_has_target, source=checked.stream_key))
         train_parts.append(rows)
     for source in eval_sources(data_args):
         rows, _ = _load(source, streaming=False)  # eval data is finite: read whole, never streamed
@@ -229,6 +233,13 @@ def _encode_messages(row: dict[str, Any]) -> dict[str, str]:
 
 def _decode_messages(row: dict[str, str]) -> dict[str, Any]:
     return {"messages": json.loads(row["messages_json"])}
+
+
+def _has_target(row: dict[str, Any], source: str) -> bool:
+    if any(label != IGNORE_INDEX for label in row["labels"][1:]):
+        return True
+    count_stream_drop(source, NO_TRAINABLE_TOKENS)
+    return False
 
 
 def _from_source(row: dict[str, Any], index: int) -> dict[str, int]:

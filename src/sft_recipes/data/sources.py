@@ -108,6 +108,12 @@ def rows_read_in_this_process(source: str) -> Counter:
     return STREAM_READS.get(source, Counter())
 
 
+def count_stream_drop(source: str, reason: str) -> None:
+    """One row of `source`, already counted as read by its `StreamedRowCheck`, dropped later on (e.g. when its
+    tokens are cut), in this process."""
+    STREAM_READS.setdefault(source, Counter())[reason] += 1
+
+
 class StreamedRowCheck:
     """Keeps the streamed rows a run can train on; shows bad ones as they are read.
 
