@@ -636,8 +636,10 @@ def format_plan(plan: Plan) -> str:
     ]
     if plan.eval_gib is not None:
         fits = ", ".join(gpu.name for gpu in GPUS if gpu.memory_gib >= plan.eval_gib) or "none"
-        lines.append(row("eval", f"{plan.eval_gib:.2f} GiB per GPU ({s.eval_micro_batch_size} seq/device, no "
-                         f"gradients: one layer's activations, full logits for the model's loss); fits {fits}"))
+        head = "full logits" if s.loss_implementation == "full_logits" else "TRL's fused head, one logit tile"
+        whole = ", whole blocks under SP" if s.sequence_parallel_size > 1 else ""
+        lines.append(row("eval", f"{plan.eval_gib:.2f} GiB per GPU ({s.eval_micro_batch_size} seq/device{whole}, no "
+                         f"gradients: one layer's activations, {head}); fits {fits}"))
     lines += [
         row("FLOPs per token", f"{plan.flops_per_token:.4g} = {4 if c.lora_ranks else 6} x "
             f"{_billions(c.flop_params)} matmul params{' + 6 x trainable' if c.lora_ranks else ''} "
