@@ -78,7 +78,8 @@ def test_every_bad_entry_is_named_at_once_with_its_fix(tmp_path):
     ({"datasets": [{"path": ULTRACHAT, "dataset_format": "messages"}], "streaming": True},
      "is streamed with dataset_format 'messages': streamed conversations are read by the packed block stream"),
     ({"dataset_name": ULTRACHAT, "dataset_format": "messages", "dataset_streaming": True},
-     "is streamed with dataset_format 'messages': streamed conversations are read by the packed block stream"),
+     "is streamed with dataset_format 'messages': streamed conversations are read by the packed block stream (each "
+     "rank reads and packs its own shard, counting what it drops): set pack_blocks: true, or dataset_streaming: false"),
     ({"datasets": [{"path": ALPACA, "dataset_format": "alpaca"}], "pack_blocks": True},
      "has dataset_format 'alpaca'; pack_blocks packs chat conversations"),
     ({"dataset_name": ALPACA, "test_split_size": 0.1, "eval_datasets": [{"path": ALPACA}]},

@@ -14,7 +14,7 @@ import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
-from conftest import REPO_ROOT, launch_sft
+from conftest import REPO_ROOT, TINY_LLAMA_RECIPE, launch_sft
 from sft_recipes.data.blocks import (
     IGNORE_INDEX,
     RankLocalBlockStream,
@@ -262,3 +262,21 @@ def test_a_streamed_mixture_counts_each_source_and_refuses_the_bad_one_by_name(t
     read = bad_report["read_while_training"]
     assert read["dropped"]["invalid_json"] == pytest.approx(read["rows"] / 3, abs=1)
     assert bad_report["dropped_share"] == pytest.approx(1 / 3, abs=0.01)
+
+
+@pytest.mark.fsdp
+def test_a_stream_read_unpacked_by_two_processes_counts_each_row_once(tmp_path):
+    """accelerate hands every rank this one-file stream whole (each keeps its batches): the rows read are
+    counted once, not once per rank, and too many bad ones refuse on every rank together."""
+    alpaca = (REPO_ROOT / "data" / "samples" / "alpaca.jsonl").read_text().splitlines()
+    path = write_stream(tmp_path / "alpaca.jsonl", ["{not json" if i % 10 == 3 else alpaca[i] for i in range(300)])
+    common = ("--dataset_name", str(path), "--dataset_streaming", "true", "--max_steps", "3", "--report_to", "none")
+    out = tmp_path / "allowed"
+    launch_sft(TINY_LLAMA_RECIPE, *common, "--max_dropped_share", "0.2", "--output_dir", str(out))
+    (source,) = json.loads((out / "data_report.json").read_text())["sources"]
+    assert source["read_while_training"] == {"rows": 300, "dropped": {"invalid_json": 30}}
+    result = launch_sft(TINY_LLAMA_RECIPE, *common, "--output_dir", str(tmp_path / "refused"), check=False)
+    errors = re.findall(r"error: .*", result.stderr)
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-4000:]
+    assert errors[0].startswith(f"error: Refusing to go on: 10.00% of the rows of {path} are dropped, more than "
+                                "max_dropped_share=0.05 (the stream read 300 rows while training")

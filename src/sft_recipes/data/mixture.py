@@ -101,9 +101,10 @@ def check_data_sources(data_args) -> None:
                          f"chat conversations ({' or '.join(CHAT_FORMATS)})"
                          for source in sources if source.dataset_format not in CHAT_FORMATS]
         if key == "datasets" and is_streamed(data_args) and not data_args.pack_blocks:
+            streaming_key = "streaming" if data_args.streaming else "dataset_streaming"
             problems += [f"{source.label} is streamed with dataset_format {source.dataset_format!r}: streamed "
                          "conversations are read by the packed block stream (each rank reads and packs its own "
-                         "shard, counting what it drops): set pack_blocks: true, or streaming: false"
+                         f"shard, counting what it drops): set pack_blocks: true, or {streaming_key}: false"
                          for source in sources if source.dataset_format in CHAT_FORMATS]
     if problems:
         raise RecipeError("; ".join(problems))

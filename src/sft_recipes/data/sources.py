@@ -108,6 +108,11 @@ def rows_read_in_this_process(source: str) -> Counter:
     return STREAM_READS.get(source, Counter())
 
 
+def forget_rows_read(source: str) -> None:
+    """Start `source`'s counts in this process afresh (rows read before training: peeks at its first rows)."""
+    STREAM_READS.pop(source, None)
+
+
 def count_stream_drop(source: str, reason: str) -> None:
     """One row of `source`, already counted as read by its `StreamedRowCheck`, dropped later on (e.g. when its
     tokens are cut), in this process."""
@@ -126,15 +131,15 @@ class StreamedRowCheck:
         self.source = source
         self.dataset_format = dataset_format
         self.dropped: Counter = Counter()
-        self.read = STREAM_READS.setdefault(source, Counter())
 
     def problem(self, row: dict[str, Any] | None, where: str, line: str | None = None) -> str | None:
         """Why the row is dropped (counted, and shown if it is the 1st, 10th, 100th... of its reason), or None."""
         problem = INVALID_JSON if row is None else FORMATS[self.dataset_format].row_problem(row)
-        self.read[ROWS_READ] += 1
+        read = STREAM_READS.setdefault(self.source, Counter())  # looked up each time: training starts it afresh
+        read[ROWS_READ] += 1
         if problem is None:
             return None
-        self.read[problem] += 1
+        read[problem] += 1
         self.dropped[problem] += 1
         count = self.dropped[problem]
         if count == 10 ** (len(str(count)) - 1):  # 1, 10, 100, ...
