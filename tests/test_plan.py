@@ -576,6 +576,6 @@ def test_eval_peak_keeps_no_gradients_and_no_full_logits():
     logits_gib = 32768 * config.text_config.vocab_size * 10 / GIB
     assert full_logits.eval_gib - plan.eval_gib > 0.99 * logits_gib * (1 + FRAGMENTATION_FRACTION) - 1
     assert "eval" in format_plan(plan)
-    # Under SP each rank evaluates whole blocks: the eval peak does not shrink with the SP size.
+    # Under SP each rank evaluates whole blocks: training's peak shrinks with the SP size, eval's does not.
     sp = make_plan(config, dataclasses.replace(setup, sequence_parallel_size=4))
-    assert sp.memory.total < plan.memory.total and sp.eval_gib > sp.memory.params + sp.memory.optimizer
+    assert sp.memory.total < plan.memory.total and sp.eval_gib == pytest.approx(plan.eval_gib)

@@ -3,7 +3,7 @@
 transformers 5.23's `evaluation_loop` averages per-batch mean losses (each repeated by its batch's
 row count), so a batch of short answers weighs as much as one of long answers, and accelerate's
 even batches evaluate some rows twice on the last step. Here each rank evaluates its own rows
-(every `world_size`-th, so none twice), sums loss x supervised tokens and counts tokens per batch,
+(every `world_size`-th, so none twice), sums the supervised tokens' losses and counts them per batch,
 and one all-reduce (`token_loss.global_sum`, as the training loss's global token mean) gives the
 token-weighted mean. Every rank runs the same number of forwards (FSDP2 gathers parameters in
 each): a rank with fewer rows repeats a batch without counting it. The loss comes from TRL's fused
@@ -72,7 +72,7 @@ class TokenWeightedEvalMixin:
                         metric_key_prefix="eval") -> EvalLoopOutput:
         model = self.model
         model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)  # sum of loss x tokens, tokens
+        totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)  # summed token loss, supervised tokens
         for batch, counted in dataloader:
             inputs = self._prepare_inputs({key: value for key, value in batch.items() if key not in STREAM_KEYS})
             with torch.no_grad(), self.compute_loss_context_manager(), sequence_parallel_suspended():

@@ -31,6 +31,7 @@ import os
 
 import accelerate.utils.fsdp_utils
 import torch
+from sft_recipes.architectures.towers import text_decoder
 from sft_recipes.errors import RecipeError
 
 logger = logging.getLogger(__name__)
@@ -74,12 +75,11 @@ def pin_fsdp_wrap_classes(model: torch.nn.Module, recipe_classes: list[str] | No
 
 
 def text_decoder_final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The norm before the output head: the last ``*Norm`` child of the one text decoder (the module with
-    ``embed_tokens`` and ``layers``), however deep it is nested; None without one."""
-    decoders = [module for module in model.modules() if hasattr(module, "embed_tokens") and hasattr(module, "layers")]
-    if len(decoders) != 1:
+    """The norm before the output head: the last ``*Norm`` child of the text decoder; None without one."""
+    decoder = text_decoder(model)
+    if decoder is None:
         return None
-    norms = [child for child in decoders[0].children() if "Norm" in type(child).__name__]
+    norms = [child for child in decoder.children() if "Norm" in type(child).__name__]
     return norms[-1] if norms else None
 
 

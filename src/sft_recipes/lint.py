@@ -18,6 +18,7 @@ import torch
 from sft_recipes.batching import derive_gradient_accumulation
 from sft_recipes.config import Recipe, RecipeError
 from sft_recipes.data.formats import CHAT_FORMATS
+from sft_recipes.data.mixture import is_streamed
 from sft_recipes.distributed import launch_flag, launched_world_size
 
 
@@ -64,7 +65,7 @@ def block_packing_needs_chat_data(recipe: Recipe, ctx: LintContext) -> str | Non
 
 def streamed_rows_counted_in_a_worker(recipe: Recipe, ctx: LintContext) -> str | None:
     data, training = recipe.data, recipe.training
-    if (data.dataset_streaming or data.streaming) and not data.pack_blocks and training.dataloader_num_workers:
+    if is_streamed(data) and not data.pack_blocks and training.dataloader_num_workers:
         return ("a streamed dataset read unpacked is checked in the process that reads it, and a dataloader "
                 "worker's counts of dropped rows never reach max_dropped_share: set dataloader_num_workers: 0, or "
                 "pack_blocks: true (chat data: each worker counts with the blocks it sends)")

@@ -55,6 +55,7 @@ from transformers.models.mixtral import modeling_mixtral
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from sft_recipes.architectures.registry import prepare_for_packing
+from sft_recipes.architectures.towers import text_decoder
 
 # Attention implementations whose masks/boundaries the exchange keeps exact; flash ones read the
 # block's cu_seq_lens from the forward kwargs.
@@ -460,9 +461,8 @@ def enable_sequence_parallel(model: torch.nn.Module, group: dist.ProcessGroup) -
             f"not {implementation!r}."
         )
     check_sequence_parallel_size(text_config, sp_size)
-    decoders = [m for m in model.modules() if hasattr(m, "embed_tokens") and hasattr(m, "layers")]
-    assert len(decoders) == 1, "a causal LM has exactly one text decoder"
-    decoder = decoders[0]
+    decoder = text_decoder(model)
+    assert decoder is not None, "a causal LM has exactly one text decoder"
     if getattr(decoder, _SHARD, None) is not None:
         return
     setattr(decoder, _SHARD, group)

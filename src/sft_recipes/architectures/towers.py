@@ -1,4 +1,4 @@
-"""Text-only fine-tuning of a vision-language checkpoint: the vision tower is kept, not trained.
+"""The parts of a checkpoint: its text decoder, and (a VLM's) vision tower, kept but not trained in text-only SFT.
 
 Text-only batches give the vision tower no gradients, so AdamW never updates it; but an optimizer
 that holds its parameters breaks resume (torch.distributed.checkpoint initialises state for every
@@ -12,6 +12,13 @@ import torch
 
 # model_type -> the vision tower's module path in the checkpoint's own class.
 VISION_TOWERS = {"qwen3_5": "model.visual"}
+
+
+def text_decoder(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The text decoder (the module with ``embed_tokens`` and ``layers``), however deep a VLM nests it; None
+    unless there is exactly one."""
+    decoders = [module for module in model.modules() if hasattr(module, "embed_tokens") and hasattr(module, "layers")]
+    return decoders[0] if len(decoders) == 1 else None
 
 
 def freeze_vision_tower(model: torch.nn.Module) -> int:

@@ -183,16 +183,17 @@ class StreamStats:
         """One conversation of `source` read and dropped."""
         self.conversations += 1
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
-        self.source(source).add(SourceCounts(conversations=1, dropped={reason: 1}))
+        counts = self.sources.setdefault(source, SourceCounts())
+        counts.conversations += 1
+        counts.dropped[reason] = counts.dropped.get(reason, 0) + 1
 
     def keep(self, labels: list[int], source: int = 0) -> None:
         """One conversation of `source` read and kept, with its labels."""
         self.conversations += 1
-        supervised = len(labels) - 1 - labels[1:].count(IGNORE_INDEX) if labels else 0
-        self.source(source).add(SourceCounts(conversations=1, tokens=len(labels), supervised_tokens=supervised))
-
-    def source(self, index: int) -> SourceCounts:
-        return self.sources.setdefault(index, SourceCounts())
+        counts = self.sources.setdefault(source, SourceCounts())
+        counts.conversations += 1
+        counts.tokens += len(labels)
+        counts.supervised_tokens += len(labels) - 1 - labels[1:].count(IGNORE_INDEX) if labels else 0
 
     def take_read(self) -> StreamStats:
         """The conversations counted so far (total, drops, per source), handed over and reset here."""
@@ -310,13 +311,26 @@ SUMMED_COUNTERS = ("conversations", "blocks", "real_tokens", "token_slots", "sup
 SOURCE_COUNTERS = ("conversations", "tokens", "supervised_tokens")
 
 
-def drop_slots(dropped: dict[str, int]) -> list[int]:
+REASON_SLOTS = len(DROP_REASONS) + 1  # every known drop reason, then OTHER_REASONS
+SOURCE_SLOTS = len(SOURCE_COUNTERS) + REASON_SLOTS
+
+
+def _drop_slots(dropped: dict[str, int]) -> list[int]:
     other = sum(count for reason, count in dropped.items() if reason not in DROP_REASONS)
     return [dropped.get(reason, 0) for reason in DROP_REASONS] + [other]
 
 
-def drops_from_slots(slots: list[int]) -> dict[str, int]:
+def _drops_from_slots(slots: list[int]) -> dict[str, int]:
     return {reason: count for reason, count in zip((*DROP_REASONS, OTHER_REASONS), slots) if count}
+
+
+def source_slots(counts: SourceCounts) -> list[int]:
+    """`counts` as SOURCE_SLOTS numbers, the same slots on every rank (for an all-reduce)."""
+    return [*(getattr(counts, name) for name in SOURCE_COUNTERS), *_drop_slots(counts.dropped)]
+
+
+def source_counts_from_slots(slots: list[int]) -> SourceCounts:
+    return SourceCounts(**dict(zip(SOURCE_COUNTERS, slots)), dropped=_drops_from_slots(slots[len(SOURCE_COUNTERS):]))
 
 
 def summed_over_ranks(stats: StreamStats, exhausted: bool, device, num_sources: int = 1
@@ -324,23 +338,18 @@ def summed_over_ranks(stats: StreamStats, exhausted: bool, device, num_sources: 
     """(every rank's counts summed, whether any rank has run out): one all-reduce.
 
     Every rank sends the same slots: the totals, then `num_sources` sources' counts and drops."""
-    values = [float(exhausted), *(getattr(stats, name) for name in SUMMED_COUNTERS), *drop_slots(stats.dropped)]
+    values = [float(exhausted), *(getattr(stats, name) for name in SUMMED_COUNTERS), *_drop_slots(stats.dropped)]
     for index in range(num_sources):
-        counts = stats.sources.get(index, SourceCounts())
-        values += [*(getattr(counts, name) for name in SOURCE_COUNTERS), *drop_slots(counts.dropped)]
+        values += source_slots(stats.sources.get(index, SourceCounts()))
     summed = torch.tensor(values, dtype=torch.float64, device=device)  # exact integers up to 2**53
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(summed)
     exhausted_ranks, *counts = (int(value) for value in summed.tolist())
-    reason_slots = len(DROP_REASONS) + 1
+    start = len(SUMMED_COUNTERS) + REASON_SLOTS
     total = StreamStats(**dict(zip(SUMMED_COUNTERS, counts)),
-                        dropped=drops_from_slots(counts[len(SUMMED_COUNTERS):len(SUMMED_COUNTERS) + reason_slots]))
-    per_source = len(SOURCE_COUNTERS) + reason_slots
-    start = len(SUMMED_COUNTERS) + reason_slots
+                        dropped=_drops_from_slots(counts[len(SUMMED_COUNTERS):start]))
     for index in range(num_sources):
-        slots = counts[start + index * per_source:start + (index + 1) * per_source]
-        total.sources[index] = SourceCounts(**dict(zip(SOURCE_COUNTERS, slots)),
-                                            dropped=drops_from_slots(slots[len(SOURCE_COUNTERS):]))
+        total.sources[index] = source_counts_from_slots(counts[start + index * SOURCE_SLOTS:][:SOURCE_SLOTS])
     return total, exhausted_ranks > 0
 
 

@@ -182,9 +182,10 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
                 raise RecipeError(f"test_split_size={data_args.test_split_size} holds out no row of {source.label}: "
                                   "raise it, or give eval_datasets.")
             eval_parts.append((source, held_out))
-        raw_train.append((without_marked_rows(rows) if marked else rows, source.dataset_format))
+        good_rows = without_marked_rows(rows) if marked else rows  # as the format's own checks read them
+        raw_train.append((good_rows, source.dataset_format))
         if packs:  # the packed stream reads and tokenizes the conversations
-            fmt.check_trainable(without_marked_rows(rows) if marked else rows, tokenizer, tokenization)
+            fmt.check_trainable(good_rows, tokenizer, tokenization)
             if streaming:
                 rows = rows.map(functools.partial(_from_source, index=index))
         else:

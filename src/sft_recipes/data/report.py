@@ -78,17 +78,18 @@ class DataReport:
         if judged and self.dropped_share > max_dropped_share:
             raise RecipeError(
                 f"Refusing to go on: {self.dropped_share:.2%} of the rows of {self.source} are dropped, more than "
-                "max_dropped_share="
-                f"{max_dropped_share} ({self.describe_stream()}; summed over every rank, judged from "
+                f"max_dropped_share={max_dropped_share} ({self.describe_stream()}; summed over every rank, judged from "
                 f"{MIN_ROWS_BEFORE_DROP_LIMIT} rows read or at the end of the stream). Fix the rows, check "
                 "dataset_format and the chat template (`scripts/sft.py RECIPE --audit-data 5` shows rows), or raise "
                 "max_dropped_share if dropping them is intended."
             )
 
+    def _stream_drops(self) -> str:
+        return ", ".join(f"{reason} {count}" for reason, count in sorted(self.stream_dropped.items())) or "none"
+
     def describe_stream(self) -> str:
-        dropped = ", ".join(f"{reason} {count}" for reason, count in sorted(self.stream_dropped.items())) or "none"
         before = f"after {sum(self.dropped.values())} of {self.rows} rows dropped up front, " if self.rows else ""
-        return f"{before}the stream read {self.stream_rows} rows while training and dropped {dropped}"
+        return f"{before}the stream read {self.stream_rows} rows while training and dropped {self._stream_drops()}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"source": self.source, "rows": self.rows, "kept": self.kept, "dropped": dict(self.dropped),
@@ -112,8 +113,7 @@ class DataReport:
         if self.trainable_tokens is not None:
             line += f", trainable tokens {self.trainable_tokens}"
         if self.stream_rows is not None:
-            dropped = ", ".join(f"{reason} {count}" for reason, count in sorted(self.stream_dropped.items())) or "none"
-            line += (f"; packed while training: {self.stream_rows} read, dropped {dropped} "
+            line += (f"; packed while training: {self.stream_rows} read, dropped {self._stream_drops()} "
                      f"({self.dropped_share:.2%} dropped in all)")
         return "\n".join([line, *(f"  first {reason} row, {example}" for reason, example in sorted(self.examples.items()))])
 

@@ -18,7 +18,7 @@ from accelerate.data_loader import IterableDatasetShard
 from torch.distributed import ReduceOp
 from transformers import TrainerCallback
 
-from sft_recipes.data.blocks import DROP_REASONS, SourceCounts, drop_slots, drops_from_slots
+from sft_recipes.data.blocks import SOURCE_SLOTS, SourceCounts, source_counts_from_slots, source_slots
 from sft_recipes.data.report import DataReport
 from sft_recipes.data.sources import ROWS_READ, forget_rows_read, rows_read_in_this_process
 
@@ -29,14 +29,14 @@ def summed_stream_reads(sources: list[str], device, every_rank_reads_all: bool =
     values = []
     for source in sources:
         read = rows_read_in_this_process(source)
-        values += [read[ROWS_READ], *drop_slots({reason: count for reason, count in read.items() if reason != ROWS_READ})]
+        dropped = {reason: count for reason, count in read.items() if reason != ROWS_READ}
+        values += source_slots(SourceCounts(conversations=read[ROWS_READ], dropped=dropped))
     summed = torch.tensor(values, dtype=torch.float64, device=device)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(summed, op=ReduceOp.MAX if every_rank_reads_all else ReduceOp.SUM)
-    per_source = len(DROP_REASONS) + 2
     counts = [int(value) for value in summed.tolist()]
-    return [SourceCounts(conversations=counts[start], dropped=drops_from_slots(counts[start + 1:start + per_source]))
-            for start in range(0, len(counts), per_source)]
+    return [source_counts_from_slots(counts[start:start + SOURCE_SLOTS])
+            for start in range(0, len(counts), SOURCE_SLOTS)]
 
 
 class StreamedRowDropsCallback(TrainerCallback):

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from sft_recipes.architectures.sequence_parallel import SequenceParallelLayout, new_sequence_parallel_group
 from sft_recipes.config import Recipe
 
+
 @dataclass(frozen=True)
 class SequenceParallel:
     """This rank's place among the sequence-parallel groups, and its group's process group."""
@@ -32,4 +33,3 @@ def start_sequence_parallel(recipe: Recipe) -> SequenceParallel | None:
     assert dist.is_initialized(), "sequence parallelism needs the launcher's process group"
     layout, group = new_sequence_parallel_group(recipe.training.sequence_parallel_size)
     return SequenceParallel(layout, group)
-
