@@ -672,7 +672,9 @@ _HEADER_CONFIG = re.compile(r"accelerate_configs/[\w.-]+\.yaml")
 def read_accelerate_config(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise RecipeError(f"accelerate config not found: {path} (see accelerate_configs/).")
+        shipped = ", ".join(sorted(p.as_posix() for p in Path("accelerate_configs").glob("*.yaml")))
+        raise RecipeError(f"accelerate config not found: {path}. Pass the path of an accelerate config file"
+                          + (f": one of {shipped}." if shipped else ", e.g. accelerate_configs/fsdp2_8gpu.yaml."))
     return yaml.safe_load(path.read_text()) or {}
 
 

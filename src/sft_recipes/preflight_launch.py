@@ -48,7 +48,7 @@ def preflight(config_path: str, recipe_path: str, processes_per_node: int | None
     have = "no GPU" if gpu_count == 0 else f"{gpu_count} GPU(s)"
     return (f"{config_path} + {recipe_path} need {needed} GPU(s) on this node ({why}) and this machine has {have}; "
             f"to try the recipes here run `make demo` (its tiny twin on 2 CPU processes), to see this run's plan "
-            f"`python scripts/sft.py {recipe_path} --dry-run --config_file {config_path}`")
+            f"`.venv/bin/python scripts/sft.py {recipe_path} --dry-run --config_file {config_path}`")
 
 
 def main(argv: list[str] | None = None) -> int:
