@@ -53,19 +53,16 @@ root unit's reduce-scatter at the end of backward.
 from __future__ import annotations
 
 import json
-import os
-import re
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
-import yaml
 from transformers import PretrainedConfig
 
 from sft_recipes.batching import derive_gradient_accumulation
 from sft_recipes.errors import RecipeError
+from sft_recipes.launch import AccelerateConfig, config_for_recipe, planned_world_size
 from sft_recipes.loading import DTYPES, read_model_config
 from sft_recipes.model_math import (
     GPU_BY_NAME, GPUS, ParamCounts, attention_flops_per_token, count_parameters, flops_per_token, head_dim,
@@ -660,88 +657,12 @@ def format_plan(plan: Plan) -> str:
 # --------------------------------------------------------------------------------------------
 # The recipe and the launcher -> a plan (`--dry-run`)
 
-# What `accelerate launch` exports from a config file, for the rules that read the environment.
-_LAUNCH_ENV = {
-    "fsdp_activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
-    "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS",
-    "fsdp_version": "FSDP_VERSION",
-}
-_HEADER_CONFIG = re.compile(r"accelerate_configs/[\w.-]+\.yaml")
-
-
-def read_accelerate_config(path: str | os.PathLike) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        shipped = ", ".join(sorted(p.as_posix() for p in Path("accelerate_configs").glob("*.yaml")))
-        raise RecipeError(f"accelerate config not found: {path}. Pass the path of an accelerate config file"
-                          + (f": one of {shipped}." if shipped else ", e.g. accelerate_configs/fsdp2_8gpu.yaml."))
-    return yaml.safe_load(path.read_text()) or {}
-
-
-def accelerate_config_for_plan(config_file: str | None, recipe_path: str | os.PathLike) -> dict | None:
-    """--config_file, else the config named in the recipe header's launch command -- said loudly either way.
-
-    Planning without the config would drop what only the config holds (activation checkpointing,
-    mixed precision): Qwen at 32k then shows ~670 GiB per GPU instead of what the launch would use.
-    """
-    if config_file:
-        return read_accelerate_config(config_file)
-    named = header_accelerate_config(recipe_path)
-    if named is None:
-        if Path(recipe_path).is_file():  # else load_recipe reports the missing recipe
-            print(f"warning: --dry-run without --config_file and {recipe_path} names no accelerate config in its "
-                  "header: planned without one (no FSDP activation checkpointing; precision from the recipe alone)",
-                  file=sys.stderr)
-        return None
-    print(f"note: --dry-run without --config_file: using {named}, the config of the launch command in "
-          f"{recipe_path}'s header (pass --config_file to plan another)", file=sys.stderr)
-    return read_accelerate_config(named)
-
-
-def header_accelerate_config(recipe_path: str | os.PathLike) -> Path | None:
-    """The first accelerate_configs/*.yaml named in the recipe's leading comment block, found from the cwd or the recipe up."""
-    recipe_path = Path(recipe_path)
-    if not recipe_path.is_file():
-        return None
-    header = []
-    for line in recipe_path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        header.append(line)
-    match = _HEADER_CONFIG.search("\n".join(header))
-    if match is None:
-        return None
-    for root in (Path.cwd(), *recipe_path.resolve().parents):
-        if (root / match.group(0)).is_file():
-            return root / match.group(0) if root != Path.cwd() else Path(match.group(0))
-    return Path(match.group(0))  # read_accelerate_config names it as missing
-
-
-def export_launch_environment(accelerate_config: dict) -> None:
-    """Set the variables `accelerate launch --config_file` would, so lint sees the same run."""
-    fsdp = accelerate_config.get("fsdp_config") or {}
-    if accelerate_config.get("distributed_type") == "FSDP":
-        os.environ["ACCELERATE_USE_FSDP"] = "true"
-    for key, env in _LAUNCH_ENV.items():
-        if key in fsdp:
-            os.environ[env] = str(fsdp[key]).lower()
-    if "mixed_precision" in accelerate_config:
-        os.environ["ACCELERATE_MIXED_PRECISION"] = str(accelerate_config["mixed_precision"]).lower()
-
-
-def planned_world_size(accelerate_config: dict | None, world_size: int | None) -> int:
-    if world_size:
-        return world_size
-    if accelerate_config and accelerate_config.get("num_processes"):
-        return int(accelerate_config["num_processes"])
-    raise RecipeError("--dry-run needs the world size: pass --config_file accelerate_configs/<config>.yaml or --world_size N.")
-
-
-def training_setup(recipe: Recipe, accelerate_config: dict | None, world_size: int,
+def training_setup(recipe: Recipe, accelerate_config: AccelerateConfig | None, world_size: int,
                    dataset_sequences: int | None = None) -> TrainingSetup:
     m, t = recipe.model, recipe.training
-    fsdp = (accelerate_config or {}).get("fsdp_config") or {}
-    mixed_precision = (accelerate_config or {}).get("mixed_precision", "bf16" if t.bf16 else "no")
+    fsdp = accelerate_config.fsdp if accelerate_config else {}
+    # A config without mixed_precision leaves it to the recipe (TrainingArguments' bf16 sets it for accelerate).
+    mixed_precision = str((accelerate_config or {}).get("mixed_precision") or ("bf16" if t.bf16 else "no")).lower()
     compute = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     accumulation, _ = derive_gradient_accumulation(t, world_size)  # counts sequence-parallel groups itself
     return TrainingSetup(
@@ -763,7 +684,7 @@ def training_setup(recipe: Recipe, accelerate_config: dict | None, world_size: i
     )
 
 
-def plan_recipe(recipe: Recipe, accelerate_config: dict | None, world_size: int,
+def plan_recipe(recipe: Recipe, accelerate_config: AccelerateConfig | None, world_size: int,
                 dataset_sequences: int | None = None) -> Plan:
     lora = None
     if recipe.model.use_peft:
@@ -783,9 +704,9 @@ def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None
     from sft_recipes.config import load_recipe
     from sft_recipes.lint import LintContext, lint_recipe
 
-    accelerate_config = accelerate_config_for_plan(config_file, recipe_path)
+    accelerate_config = config_for_recipe(config_file, recipe_path)
     if accelerate_config:
-        export_launch_environment(accelerate_config)
+        accelerate_config.export()
     world_size = planned_world_size(accelerate_config, world_size)
     recipe = load_recipe(recipe_path, overrides, planning=True)
     model_args = recipe.model
