@@ -126,16 +126,20 @@ class TrainingSetup:
     sequence_parallel_size: int = 1  # ranks sharing each block (Ulysses): each holds seq_len / N of its tokens
     activation_offloading: bool = False  # TRL's saved-tensor hooks: activations wait for backward on the host
     eval_micro_batch_size: int | None = None  # sequences per device per eval forward; None: the run does not evaluate
+    replicate_size: int = 1  # HSDP: parameters sharded over world_size / replicate_size ranks, replicated this often
 
     def __post_init__(self) -> None:
         for name in ("world_size", "micro_batch_size", "seq_len", "gradient_accumulation_steps",
-                     "sequence_parallel_size"):
+                     "sequence_parallel_size", "replicate_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}: fix the recipe.")
         sp = self.sequence_parallel_size
         if self.world_size % sp or self.seq_len % sp:
             raise ValueError(f"sequence_parallel_size={sp} must divide the world size ({self.world_size}) and the "
                              f"block length ({self.seq_len}): choose another size or max_length.")
+        if self.world_size % self.replicate_size:
+            raise ValueError(f"replicate_size={self.replicate_size} must divide the world size ({self.world_size}): "
+                             "parallelism_config_dp_replicate_size x dp_shard_size must equal num_processes.")
         if not 0 < self.mfu <= 1:
             raise ValueError(f"mfu must be in (0, 1], got {self.mfu}: pass a fraction such as 0.4.")
         if self.loss_implementation not in ("fused_lm_head", "full_logits"):
@@ -149,6 +153,11 @@ class TrainingSetup:
     def tokens_per_rank(self) -> int:
         """Tokens of a micro-batch one rank holds: its 1/N of each block under sequence parallelism."""
         return self.tokens_per_micro_batch // self.sequence_parallel_size
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one parameter is sharded over: the world (flat FSDP) or one HSDP replica."""
+        return self.world_size // self.replicate_size
 
     @property
     def data_parallel_size(self) -> int:
@@ -385,9 +394,11 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Peak memory per GPU under FSDP2 full shard (see the module docstring for each component).
 
-    ``cuda_context_gib=0`` drops the fixed allowance (a CPU run has no CUDA context or NCCL).
+    Sharded state is divided by the shard group (`TrainingSetup.shard_size`): the world under flat FSDP,
+    one replica under HSDP. ``cuda_context_gib=0`` drops the fixed allowance (a CPU run has no CUDA
+    context or NCCL).
     """
-    ws = setup.world_size
+    ws = setup.shard_size
     weights_b, compute_b, reduce_b = map(_bytes, (setup.weights_dtype, setup.compute_dtype, setup.reduce_dtype))
     trainable_b = 4 if setup.fp32_master_weights else weights_b
     # FSDP2 casts unsharded gradients to reduce_dtype into a second buffer before reduce-scatter
