@@ -124,7 +124,8 @@ def _config_change(current: TrainingSetup, option: LayoutOption, current_layout:
         config = hsdp_config_name(option.layout, base_config)
     if option.setup.activation_checkpointing != current.activation_checkpointing:
         value = str(option.setup.activation_checkpointing).lower()
-        config = f"{config or base_config or 'the accelerate config'}, with fsdp_activation_checkpointing: {value}"
+        config = (f"{config}, and fsdp_activation_checkpointing: {value}" if config else
+                  f"a copy of {base_config or 'the accelerate config'} with fsdp_activation_checkpointing: {value}")
     return config
 
 
@@ -225,3 +226,109 @@ def shard_group_shortfall(config: PretrainedConfig, counts: ParamCounts, setup: 
         if estimate_memory(config, counts, larger).total <= available:
             return ShardShortfall(needed, available, shard, tried)
     return ShardShortfall(needed, available, None, tried)
+
+
+# --------------------------------------------------------------------------------------------
+# The dry run's section
+
+
+@dataclass(frozen=True)
+class LayoutReport:
+    """What `--dry-run` prints after the memory plan, and what `--plan-json` carries of it."""
+
+    gpu: str
+    links: Links
+    own: LayoutOption
+    side_by_side: list[LayoutOption]
+    suggestions: list[LayoutOption]
+
+    def faster_that_fits(self) -> LayoutOption | None:
+        """The fastest of the side-by-side layouts that fits; the launch's own unless another is
+        `MEANINGFUL_SPEEDUP` faster (or the own does not fit). None for one layout, or when none fits."""
+        fitting = [o for o in self.side_by_side if o.fits(self.gpu)]
+        if len(self.side_by_side) < 2 or not fitting:
+            return None
+        fastest = min(fitting, key=lambda o: o.step_seconds)
+        if self.own.fits(self.gpu) and fastest.step_seconds * MEANINGFUL_SPEEDUP >= self.own.step_seconds:
+            return self.own
+        return fastest
+
+    def to_dict(self) -> dict:
+        faster = self.faster_that_fits()
+        return {
+            "gpu": self.gpu,
+            "links_gbps": {"intra_node": self.links.intra_node_gbps, "inter_node": self.links.inter_node_gbps},
+            "communication": self.own.communication.to_dict(),
+            "layouts": [{**o.to_dict(self.gpu), "communication": o.communication.to_dict()} for o in self.side_by_side],
+            "faster_layout_that_fits": faster.layout.name if faster else None,
+            "suggestions": [o.to_dict(self.gpu) for o in self.suggestions],
+        }
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB" if n else "-"
+
+
+def format_layouts(report: LayoutReport, command: str) -> str:
+    from sft_recipes.communication import LINK_EFFICIENCY
+
+    links = report.links
+    lines = [f"  communication per optimizer step per GPU on {report.gpu} (--gpu): NVLink {links.intra_node_gbps:,.0f} Gb/s, "
+             f"network {links.inter_node_gbps:,.0f} Gb/s per GPU each way (--intra_node_gbps / --inter_node_gbps), "
+             f"{LINK_EFFICIENCY:.0%} of it achieved; compute at the MFU above, communication hidden behind the "
+             "neighbouring layer's compute up to that compute (docs/planner.md)",
+             f"    {'layout':<14}{'GiB/GPU':>8}{'fits':>5}{'all-gather':>12}{'reduce-scat.':>13}{'all-reduce':>11}"
+             f"{'all-to-all':>11}{'compute s':>10}{'NVLink s':>9}{'network s':>10}{'exposed s':>10}{'s/step':>8}  bound"]
+    for option in report.side_by_side:
+        c = option.communication
+        this = " (this)" if option.layout == report.own.layout else ""
+        lines.append(
+            f"    {option.layout.name + this:<14}{option.memory_gib:>8.1f}{'yes' if option.fits(report.gpu) else 'NO':>5}"
+            f"{_gb(c.all_gather_bytes):>12}{_gb(c.reduce_scatter_bytes):>13}{_gb(c.all_reduce_bytes):>11}"
+            f"{_gb(c.all_to_all_bytes):>11}{c.compute_seconds:>10.3f}{c.link_seconds['intra-node']:>9.3f}"
+            f"{c.link_seconds['inter-node']:>10.3f}{c.exposed_seconds:>10.3f}{c.step_seconds:>8.3f}  {c.bound}")
+    if report.own.communication.nodes == 1:
+        lines.append("    one node: every collective stays on NVLink, no inter-node term")
+    faster = report.faster_that_fits()
+    if faster is not None:
+        others = ", ".join(f"{o.layout.name} {o.step_seconds:.3f} s" for o in report.side_by_side)
+        lines.append(f"  faster layout that fits: {faster.layout.name} ({others} per step)"
+                     + (", the launch's own (no other is 5% faster)" if faster.layout == report.own.layout else
+                        f": launch with {hsdp_config_name(faster.layout, None)}"))
+    elif len(report.side_by_side) > 1:
+        lines.append("  faster layout that fits: none of these fits on " + report.gpu)
+    if not report.suggestions:
+        verdict = ("fits, and no layout this project runs is 5% faster at the same global batch" if report.own.fits(report.gpu)
+                   else "nothing this project can run fits, even with shorter blocks")
+        lines.append(f"  what to change: nothing ({verdict})")
+        return "\n".join(lines)
+    why = "fits, but faster" if report.own.fits(report.gpu) else f"does not fit on {report.gpu}; these do"
+    lines.append(f"  what to change (this run {why}; same global batch; best first):")
+    for option in report.suggestions:
+        s = option.setup
+        sequences = s.micro_batch_size * s.gradient_accumulation_steps * s.data_parallel_size
+        lines.append(f"    {option.memory_gib:6.1f} GiB  {option.step_seconds:7.3f} s/step  {option.layout.name}, "
+                     f"{s.micro_batch_size} x {s.seq_len} x {s.gradient_accumulation_steps} accumulation, SP "
+                     f"{s.sequence_parallel_size}, checkpointing {'on' if s.activation_checkpointing else 'off'}, "
+                     f"offloading {'on' if s.activation_offloading else 'off'} = {sequences} sequences per step")
+        flags = " ".join(option.overrides)
+        lines.append(f"      {command} {flags}".rstrip())
+        if option.accelerate_config:
+            lines.append(f"      accelerate config: {option.accelerate_config}")
+    return "\n".join(lines)
+
+
+def layout_report(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, nodes: int, gpu: str,
+                  links: Links, base_config: str | None = None, global_batch_in_recipe: bool = False,
+                  reshard_after_forward: bool = True) -> LayoutReport:
+    """The launch's own layout priced, FSDP and HSDP side by side (several nodes), and what to change."""
+    if setup.world_size % nodes:
+        raise ValueError(f"{setup.world_size} processes cannot be spread evenly over {nodes} nodes.")
+    current = MeshLayout(nodes, setup.world_size // nodes, setup.replicate_size)
+    own, suggestions = suggest_layouts(config, counts, setup, current, gpu, links, base_config, global_batch_in_recipe,
+                                       reshard_after_forward)
+    side_by_side = compare_layouts(config, counts, setup, nodes, gpu, links, reshard_after_forward)
+    side_by_side = [own if o.layout == current else o for o in side_by_side]
+    if current not in [o.layout for o in side_by_side]:
+        side_by_side.insert(0, own)
+    return LayoutReport(gpu, links, own, side_by_side, suggestions)

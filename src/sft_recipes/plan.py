@@ -65,7 +65,9 @@ import yaml
 from transformers import PretrainedConfig
 
 from sft_recipes.batching import derive_gradient_accumulation
+from sft_recipes.communication import Links
 from sft_recipes.errors import RecipeError
+from sft_recipes.layouts import LayoutReport, format_layouts, layout_report, shard_group_shortfall
 from sft_recipes.loading import DTYPES, read_model_config
 from sft_recipes.model_math import (
     GPU_BY_NAME, GPUS, ParamCounts, attention_flops_per_token, count_parameters, flops_per_token, head_dim,
@@ -747,7 +749,7 @@ def planned_world_size(accelerate_config: dict | None, world_size: int | None) -
 
 
 def training_setup(recipe: Recipe, accelerate_config: dict | None, world_size: int,
-                   dataset_sequences: int | None = None) -> TrainingSetup:
+                   dataset_sequences: int | None = None, replicate_size: int = 1) -> TrainingSetup:
     m, t = recipe.model, recipe.training
     fsdp = (accelerate_config or {}).get("fsdp_config") or {}
     mixed_precision = (accelerate_config or {}).get("mixed_precision", "bf16" if t.bf16 else "no")
@@ -769,22 +771,35 @@ def training_setup(recipe: Recipe, accelerate_config: dict | None, world_size: i
         activation_offloading=t.activation_offloading,
         eval_micro_batch_size=t.per_device_eval_batch_size if recipe.data.eval_datasets or recipe.data.test_split_size
         else None,
+        replicate_size=replicate_size,
     )
 
 
 def plan_recipe(recipe: Recipe, accelerate_config: dict | None, world_size: int,
-                dataset_sequences: int | None = None) -> Plan:
+                dataset_sequences: int | None = None, replicate_size: int = 1) -> Plan:
     lora = None
     if recipe.model.use_peft:
         from sft_recipes.lora import build_lora_config
 
         lora = build_lora_config(recipe.model)
     config = read_model_config(recipe.model.model_name_or_path, recipe.model.model_revision, download=False)
-    return make_plan(config, training_setup(recipe, accelerate_config, world_size, dataset_sequences), lora)
+    return make_plan(config, training_setup(recipe, accelerate_config, world_size, dataset_sequences, replicate_size), lora)
+
+
+def launch_mesh(accelerate_config: dict | None, world_size: int) -> tuple[int, int]:
+    """(nodes, HSDP replicas) of the launch: the config's num_machines (its processes per node kept when
+    --world_size changes the total; 8-GPU nodes without a config) and parallelism_config's replicate size."""
+    config = accelerate_config or {}
+    machines = int(config.get("num_machines") or 1)
+    per_node = int(config.get("num_processes") or 8) // machines if config else 8
+    nodes = max(world_size // per_node, 1) if world_size % per_node == 0 else 1
+    replicate = int((config.get("parallelism_config") or {}).get("parallelism_config_dp_replicate_size") or 1)
+    return nodes, replicate
 
 
 def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None = None,
-                 world_size: int | None = None, plan_json: str | None = None) -> str:
+                 world_size: int | None = None, plan_json: str | None = None, gpu: str = "H100",
+                 intra_node_gbps: float | None = None, inter_node_gbps: float | None = None) -> str:
     """`scripts/sft.py RECIPE --dry-run`: lint the run a launch would make and return its plan, as text.
 
     RecipeError for anything that stops the plan (the recipe, the launcher's settings, the model's config).
@@ -800,12 +815,43 @@ def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None
     model_args = recipe.model
     lint_recipe(recipe, LintContext(world_size, not recipe.values.get("use_cpu"), lambda: read_model_config(
         model_args.model_name_or_path, model_args.model_revision, download=False)))
+    nodes, replicate = launch_mesh(accelerate_config, world_size)
     try:
-        plan = plan_recipe(recipe, accelerate_config, world_size)
+        plan = plan_recipe(recipe, accelerate_config, world_size, replicate_size=replicate)
+        layouts = plan_layouts(recipe, plan, accelerate_config, config_file or header_accelerate_config(recipe_path),
+                               nodes, gpu, intra_node_gbps, inter_node_gbps)
     except ValueError as err:  # the model's config, or sizes the planner cannot take
         raise RecipeError(str(err)) from None
-    text = format_plan(plan)
+    command = f"accelerate launch --config_file {config_file or header_accelerate_config(recipe_path) or 'CONFIG'} " \
+              f"scripts/sft.py {recipe_path} {' '.join(overrides)}".rstrip()
+    text = format_plan(plan) + "\n" + format_layouts(layouts, command)
     if plan_json:
-        Path(plan_json).write_text(plan.to_json())
+        Path(plan_json).write_text(json.dumps({**plan.to_dict(), **layouts.to_dict()}, indent=2))
         text += f"\nplan written to {plan_json}"
     return text
+
+
+def plan_layouts(recipe: Recipe, plan: Plan, accelerate_config: dict | None, config_name: str | os.PathLike | None,
+                 nodes: int, gpu: str, intra_node_gbps: float | None, inter_node_gbps: float | None) -> LayoutReport:
+    """The communication, FSDP-vs-HSDP and what-to-change part of the dry run; refuses an HSDP shard group
+    that cannot hold the run on ``gpu`` (the shortfall and the smallest shard size that fits)."""
+    config = read_model_config(recipe.model.model_name_or_path, recipe.model.model_revision, download=False)
+    links = Links.for_gpu(gpu, intra_node_gbps, inter_node_gbps)
+    setup = plan.setup
+    if setup.replicate_size > 1:
+        shortfall = shard_group_shortfall(config, plan.counts, setup, gpu)
+        if shortfall is not None:
+            fix = (f"the smallest shard size that fits is {shortfall.smallest_fitting_shard} "
+                   f"(parallelism_config_dp_shard_size: {shortfall.smallest_fitting_shard}, "
+                   f"parallelism_config_dp_replicate_size: {setup.world_size // shortfall.smallest_fitting_shard})"
+                   if shortfall.smallest_fitting_shard else
+                   "no shard size fits either, flat FSDP over all ranks included: see the plan without "
+                   "parallelism_config for what to change")
+            raise RecipeError(f"HSDP shard group of {setup.shard_size} GPUs cannot hold this run on {gpu}: "
+                              f"{shortfall.needed_gib:.1f} GiB per GPU, {shortfall.shortfall_gib:.1f} GiB more than "
+                              f"its {shortfall.available_gib:.1f}; {fix}.")
+    fsdp = (accelerate_config or {}).get("fsdp_config") or {}
+    reshard = str(fsdp.get("fsdp_reshard_after_forward", True)).lower() == "true"
+    t = recipe.training
+    return layout_report(config, plan.counts, setup, nodes, gpu, links, str(config_name) if config_name else None,
+                         t.global_batch_size is not None or t.global_batch_tokens is not None, reshard)
