@@ -13,7 +13,8 @@ from sft_recipes.config import load_recipe
 from sft_recipes.layouts import compare_layouts, format_layouts, layout_report, shard_group_shortfall
 from sft_recipes.loading import read_model_config
 from sft_recipes.model_math import count_parameters
-from sft_recipes.plan import TrainingSetup, plan_recipe, read_accelerate_config
+from sft_recipes.launch import read_accelerate_config
+from sft_recipes.plan import TrainingSetup, plan_recipe
 from sft_recipes.tiny import REALWORLD_DIR
 
 from conftest import REPO_ROOT

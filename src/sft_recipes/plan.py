@@ -53,20 +53,17 @@ root unit's reduce-scatter at the end of backward.
 from __future__ import annotations
 
 import json
-import os
-import re
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
-import yaml
 from transformers import PretrainedConfig
 
 from sft_recipes.batching import derive_gradient_accumulation
 from sft_recipes.communication import Links
 from sft_recipes.errors import RecipeError
+from sft_recipes.launch import AccelerateConfig, config_for_recipe, header_accelerate_config, planned_world_size
 from sft_recipes.layouts import LayoutReport, format_layouts, layout_report, shard_group_shortfall
 from sft_recipes.loading import DTYPES, read_model_config
 from sft_recipes.model_math import (
@@ -673,86 +670,12 @@ def format_plan(plan: Plan) -> str:
 # --------------------------------------------------------------------------------------------
 # The recipe and the launcher -> a plan (`--dry-run`)
 
-# What `accelerate launch` exports from a config file, for the rules that read the environment.
-_LAUNCH_ENV = {
-    "fsdp_activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
-    "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS",
-    "fsdp_version": "FSDP_VERSION",
-}
-_HEADER_CONFIG = re.compile(r"accelerate_configs/[\w.-]+\.yaml")
-
-
-def read_accelerate_config(path: str | os.PathLike) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"accelerate config not found: {path} (see accelerate_configs/).")
-    return yaml.safe_load(path.read_text()) or {}
-
-
-def accelerate_config_for_plan(config_file: str | None, recipe_path: str | os.PathLike) -> dict | None:
-    """--config_file, else the config named in the recipe header's launch command -- said loudly either way.
-
-    Planning without the config would drop what only the config holds (activation checkpointing,
-    mixed precision): Qwen at 32k then shows ~670 GiB per GPU instead of what the launch would use.
-    """
-    if config_file:
-        return read_accelerate_config(config_file)
-    named = header_accelerate_config(recipe_path)
-    if named is None:
-        if Path(recipe_path).is_file():  # else load_recipe reports the missing recipe
-            print(f"warning: --dry-run without --config_file and {recipe_path} names no accelerate config in its "
-                  "header: planned without one (no FSDP activation checkpointing; precision from the recipe alone)",
-                  file=sys.stderr)
-        return None
-    print(f"note: --dry-run without --config_file: using {named}, the config of the launch command in "
-          f"{recipe_path}'s header (pass --config_file to plan another)", file=sys.stderr)
-    return read_accelerate_config(named)
-
-
-def header_accelerate_config(recipe_path: str | os.PathLike) -> Path | None:
-    """The first accelerate_configs/*.yaml named in the recipe's leading comment block, found from the cwd or the recipe up."""
-    recipe_path = Path(recipe_path)
-    if not recipe_path.is_file():
-        return None
-    header = []
-    for line in recipe_path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        header.append(line)
-    match = _HEADER_CONFIG.search("\n".join(header))
-    if match is None:
-        return None
-    for root in (Path.cwd(), *recipe_path.resolve().parents):
-        if (root / match.group(0)).is_file():
-            return root / match.group(0) if root != Path.cwd() else Path(match.group(0))
-    return Path(match.group(0))  # read_accelerate_config names it as missing
-
-
-def export_launch_environment(accelerate_config: dict) -> None:
-    """Set the variables `accelerate launch --config_file` would, so lint sees the same run."""
-    fsdp = accelerate_config.get("fsdp_config") or {}
-    if accelerate_config.get("distributed_type") == "FSDP":
-        os.environ["ACCELERATE_USE_FSDP"] = "true"
-    for key, env in _LAUNCH_ENV.items():
-        if key in fsdp:
-            os.environ[env] = str(fsdp[key]).lower()
-    if "mixed_precision" in accelerate_config:
-        os.environ["ACCELERATE_MIXED_PRECISION"] = str(accelerate_config["mixed_precision"]).lower()
-
-
-def planned_world_size(accelerate_config: dict | None, world_size: int | None) -> int:
-    if world_size:
-        return world_size
-    if accelerate_config and accelerate_config.get("num_processes"):
-        return int(accelerate_config["num_processes"])
-    raise RecipeError("--dry-run needs the world size: pass --config_file accelerate_configs/<config>.yaml or --world_size N.")
-
-
-def training_setup(recipe: Recipe, accelerate_config: dict | None, world_size: int,
+def training_setup(recipe: Recipe, accelerate_config: AccelerateConfig | None, world_size: int,
                    dataset_sequences: int | None = None, replicate_size: int = 1) -> TrainingSetup:
     m, t = recipe.model, recipe.training
-    fsdp = (accelerate_config or {}).get("fsdp_config") or {}
-    mixed_precision = (accelerate_config or {}).get("mixed_precision", "bf16" if t.bf16 else "no")
+    fsdp = accelerate_config.fsdp if accelerate_config else {}
+    # A config without mixed_precision leaves it to the recipe (TrainingArguments' bf16 sets it for accelerate).
+    mixed_precision = str((accelerate_config or {}).get("mixed_precision") or ("bf16" if t.bf16 else "no")).lower()
     compute = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     accumulation, _ = derive_gradient_accumulation(t, world_size)  # counts sequence-parallel groups itself
     return TrainingSetup(
@@ -775,7 +698,7 @@ def training_setup(recipe: Recipe, accelerate_config: dict | None, world_size: i
     )
 
 
-def plan_recipe(recipe: Recipe, accelerate_config: dict | None, world_size: int,
+def plan_recipe(recipe: Recipe, accelerate_config: AccelerateConfig | None, world_size: int,
                 dataset_sequences: int | None = None, replicate_size: int = 1) -> Plan:
     lora = None
     if recipe.model.use_peft:
@@ -786,15 +709,13 @@ def plan_recipe(recipe: Recipe, accelerate_config: dict | None, world_size: int,
     return make_plan(config, training_setup(recipe, accelerate_config, world_size, dataset_sequences, replicate_size), lora)
 
 
-def launch_mesh(accelerate_config: dict | None, world_size: int) -> tuple[int, int]:
-    """(nodes, HSDP replicas) of the launch: the config's num_machines (its processes per node kept when
-    --world_size changes the total; 8-GPU nodes without a config) and parallelism_config's replicate size."""
-    config = accelerate_config or {}
-    machines = int(config.get("num_machines") or 1)
-    per_node = int(config.get("num_processes") or 8) // machines if config else 8
-    nodes = max(world_size // per_node, 1) if world_size % per_node == 0 else 1
-    replicate = int((config.get("parallelism_config") or {}).get("parallelism_config_dp_replicate_size") or 1)
-    return nodes, replicate
+def launch_mesh(accelerate_config: AccelerateConfig | None, world_size: int) -> tuple[int, int]:
+    """(nodes, HSDP replicas) of the launch: the config's processes per node kept when --world_size
+    changes the total (8-GPU nodes without a config), and its parallelism_config replicate size."""
+    per_node = accelerate_config.processes_per_node if accelerate_config else 8
+    nodes = world_size // per_node if world_size % per_node == 0 else 1
+    parallelism = accelerate_config.parallelism if accelerate_config else None
+    return max(nodes, 1), parallelism.dp_replicate if parallelism else 1
 
 
 def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None = None,
@@ -807,9 +728,9 @@ def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None
     from sft_recipes.config import load_recipe
     from sft_recipes.lint import LintContext, lint_recipe
 
-    accelerate_config = accelerate_config_for_plan(config_file, recipe_path)
+    accelerate_config = config_for_recipe(config_file, recipe_path)
     if accelerate_config:
-        export_launch_environment(accelerate_config)
+        accelerate_config.export()
     world_size = planned_world_size(accelerate_config, world_size)
     recipe = load_recipe(recipe_path, overrides, planning=True)
     model_args = recipe.model
@@ -831,7 +752,7 @@ def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None
     return text
 
 
-def plan_layouts(recipe: Recipe, plan: Plan, accelerate_config: dict | None, config_name: str | os.PathLike | None,
+def plan_layouts(recipe: Recipe, plan: Plan, accelerate_config: AccelerateConfig | None, config_name: str | Path | None,
                  nodes: int, gpu: str, intra_node_gbps: float | None, inter_node_gbps: float | None) -> LayoutReport:
     """The communication, FSDP-vs-HSDP and what-to-change part of the dry run; refuses an HSDP shard group
     that cannot hold the run on ``gpu`` (the shortfall and the smallest shard size that fits)."""
@@ -850,7 +771,7 @@ def plan_layouts(recipe: Recipe, plan: Plan, accelerate_config: dict | None, con
             raise RecipeError(f"HSDP shard group of {setup.shard_size} GPUs cannot hold this run on {gpu}: "
                               f"{shortfall.needed_gib:.1f} GiB per GPU, {shortfall.shortfall_gib:.1f} GiB more than "
                               f"its {shortfall.available_gib:.1f}; {fix}.")
-    fsdp = (accelerate_config or {}).get("fsdp_config") or {}
+    fsdp = accelerate_config.fsdp if accelerate_config else {}
     reshard = str(fsdp.get("fsdp_reshard_after_forward", True)).lower() == "true"
     t = recipe.training
     return layout_report(config, plan.counts, setup, nodes, gpu, links, str(config_name) if config_name else None,
