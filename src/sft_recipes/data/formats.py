@@ -91,7 +91,7 @@ class DatasetFormat:
     def to_tokens(self, rows: Dataset | IterableDataset, tokenizer: PreTrainedTokenizerBase,
                   tokenization: Tokenization, report: DataReport) -> Dataset | IterableDataset:
         """`input_ids` + `labels` rows (-100 where nothing is learned) after the length policy, cut to max_length;
-        drops and trainable tokens go to `report`."""
+        drops and supervised tokens go to `report`."""
         raise NotImplementedError
 
 
@@ -151,10 +151,10 @@ class _TokenizedAsTrl(DatasetFormat):
                     report.drop(NO_TRAINABLE_TOKENS, f"row {index} (every target past max_length {max_length})",
                                 rows[index])
                     continue
-                trainable += left
+                trainable += left - (left > 0 and targets == length)  # a labelled first token is no loss target
                 report.truncated += length > max_length
                 keep.append(index)
-        report.trainable_tokens = trainable
+        report.kept_supervised_tokens = trainable
         return rows.select(keep) if len(keep) < len(rows) else rows
 
 
@@ -304,9 +304,11 @@ def _truncated(batch: dict[str, list], max_length: int) -> dict[str, list]:
 
 
 def supervised_tokens(dataset: Dataset) -> int:
-    """Sum of `assistant_masks` over the rows, in Arrow: no token goes through Python."""
+    """The loss's targets: `assistant_masks` summed after each row's first token (nothing predicts it), in Arrow:
+    no token goes through Python."""
     batches = dataset.with_format("arrow").iter(batch_size=10_000)
-    return sum(pc.sum(pc.list_flatten(batch.column("assistant_masks"))).as_py() or 0 for batch in batches)
+    return sum(pc.sum(pc.list_flatten(pc.list_slice(batch.column("assistant_masks"), 1))).as_py() or 0
+               for batch in batches)
 
 
 FORMATS: dict[str, DatasetFormat] = {fmt.name: fmt for fmt in
