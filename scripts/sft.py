@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     # ── Parse ─────────────────────────────────────────────────────────────────────────────────
-    run = start_run(load_recipe(cli.recipe, overrides))
+    run = start_run(load_recipe(cli.recipe, overrides), read_only=bool(cli.audit_data))
+    if run.finished:  # resumed at max_steps already: said so, nothing trained or written
+        return 0
 
     # ── Tokenizer ─────────────────────────────────────────────────────────────────────────────
     tokenizer = run.source.load_tokenizer()
