@@ -18,12 +18,13 @@ from trl.trainer.utils import add_fused_lm_head
 
 from sft_recipes.loading import model_class_for
 from sft_recipes.architectures.towers import freeze_vision_tower
+from sft_recipes.launch import read_accelerate_config
 from sft_recipes.loading import read_model_config
 from sft_recipes.model_math import GPUS, attention_flops_per_token, count_parameters, flops_per_token
 from sft_recipes.config import load_recipe
 from sft_recipes.plan import (
     FRAGMENTATION_FRACTION, GIB, MemoryEstimate, TrainingSetup, activation_bytes_per_token, estimate_memory, estimate_step_time, format_plan,
-    make_plan, plan_recipe, read_accelerate_config,
+    make_plan, plan_recipe,
 )
 from sft_recipes.tiny import REALWORLD_DIR, tiny_config
 

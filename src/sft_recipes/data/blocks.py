@@ -381,7 +381,7 @@ class StopWhenAnyRankExhausted(TrainerCallback):
                     "Refusing to go on: the packed stream ended before any rank trained on a supervised token, so "
                     f"the dataset has nothing to learn (this rank: {self.trained.describe()}). Streamed rows that "
                     "break the dataset_format rules are dropped as they are read: check dataset_name and "
-                    "dataset_format, and look at the rows with `scripts/sft.py RECIPE --audit-data 5`."
+                    "dataset_format, and look at the rows with `.venv/bin/python scripts/sft.py RECIPE --audit-data 5`."
                 )
             control.should_training_stop = True
             control.should_save = True

@@ -86,7 +86,7 @@ class DataReport:
                 f"Refusing to go on: {self.dropped_share:.2%} of the rows of {self.source} are dropped, more than "
                 f"max_dropped_share={max_dropped_share} ({self.describe_stream()}; summed over every rank, judged from "
                 f"{MIN_ROWS_BEFORE_DROP_LIMIT} rows read or at the end of the stream). Fix the rows, check "
-                "dataset_format and the chat template (`scripts/sft.py RECIPE --audit-data 5` shows rows), or raise "
+                "dataset_format and the chat template (`.venv/bin/python scripts/sft.py RECIPE --audit-data 5` shows rows), or raise "
                 "max_dropped_share if dropping them is intended."
             )
 

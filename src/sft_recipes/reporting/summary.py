@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,9 @@ from transformers import TrainerCallback
 class RunSummaryCallback(TrainerCallback):
     """Collect per-step losses and timing on rank 0 for run_summary.json and the closing line."""
 
-    def __init__(self, tracking_uri: str | None = None) -> None:
+    def __init__(self, tracking_uri: str | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> None:
         self.tracking_uri = tracking_uri  # MLflow's, when the run reports there
+        self.overrides = overrides or {}  # Recipe.overrides: the keys each source (parameters, command line) set
         self.losses: dict[int, float] = {}
         self.first_step: int | None = None
         self.last_step = 0
@@ -38,7 +40,9 @@ class RunSummaryCallback(TrainerCallback):
             self.mlflow_run_id = run.info.run_id if run else None
             if run:  # tags, not params: a retry logging into the same run (MLFLOW_RUN_ID) may change them
                 mlflow.set_tags({"world_size": self.world_size,
-                                 "world_size_at_checkpoint": str(self.world_size_at_checkpoint)})
+                                 "world_size_at_checkpoint": str(self.world_size_at_checkpoint),
+                                 **{f"overrides.{source}": json.dumps(values, default=str)[:5000]
+                                    for source, values in self.overrides.items()}})
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_started = time.perf_counter()
@@ -86,6 +90,7 @@ class RunSummaryCallback(TrainerCallback):
             "export_max_logit_diff": logit_diff,
             "mlflow_tracking_uri": self.tracking_uri,
             "mlflow_run_id": self.mlflow_run_id,
+            "overrides": self.overrides,
         }
 
     @staticmethod

@@ -93,4 +93,6 @@ def start_run(recipe: Recipe, read_only: bool = False) -> Run:
               sequence_parallel=start_sequence_parallel(recipe))  # the process group exists by now
     if run.is_main:
         logger.info("recipe %s -> output_dir %s; %s", recipe.source, training.output_dir, derivation)
+        for source, values in recipe.overrides.items():  # which keys the workload's parameters / the caller set
+            logger.info("overrides from %s: %s", source, ", ".join(f"{key}={value!r}" for key, value in values.items()))
     return run
