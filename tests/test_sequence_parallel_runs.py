@@ -56,6 +56,7 @@ def test_two_ranks_sharing_each_block_train_like_one_process(tmp_path, twin):
         assert f"rank {rank} holds tokens {tokens} of each {max_length}-token block of reader 0 of 1" in output
     assert list(shared["losses"]) == ["1", "2", "3"]
     assert_same_losses(one["losses"], shared["losses"])
+    assert shared["tokens_seen"] == one["tokens_seen"] > 0  # each shared block counted once, not once per rank
 
 
 PREEMPTED = re.compile(r"\[preempted\] stopped at step (\d+) of 6")

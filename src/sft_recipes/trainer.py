@@ -21,7 +21,7 @@ from sft_recipes.evaluation import TokenWeightedEvalMixin
 from sft_recipes.export import export_adapter
 from sft_recipes.fault.uneven_shards import EndOfDataTogetherMixin
 from sft_recipes.fault.world_size import whole_global_batches
-from sft_recipes.metrics import ThroughputMeter
+from sft_recipes.metrics import ThroughputMeter, real_tokens_and_attention_length
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +124,19 @@ class RecipeSFTTrainer(TokenWeightedEvalMixin, EndOfDataTogetherMixin, SFTTraine
             if self.args.process_index == 0:
                 logger.info("[data] all %d ranks trained on %s", self.args.world_size, self.exhaustion.total.describe())
         return result
+
+    def _track_num_input_tokens(self, inputs):
+        """`state.num_input_tokens_seen` as the throughput counts tokens: a block stream's exact real tokens (its
+        padding tails left out), else the batch's unpadded tokens; a sequence-parallel group's block once (its ranks
+        all hold it whole here). transformers' own count takes every rank's input_ids, padding included."""
+        if self.args.include_num_input_tokens_seen == "no":
+            return
+        stats = inputs.get("stream_stats")
+        tokens = stats.real_tokens if stats is not None else real_tokens_and_attention_length(inputs)[0]
+        if self.sequence_parallel is not None and self.sequence_parallel.sp_rank != 0:
+            tokens = 0
+        counted = torch.tensor(tokens, device=self.args.device, dtype=torch.int64)
+        self.state.num_input_tokens_seen += int(self.accelerator.gather(counted).sum().item())
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         exhausted = inputs.pop("stream_exhausted", None)

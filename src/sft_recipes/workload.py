@@ -541,6 +541,11 @@ def cross_file_problems(workload: Mapping, workload_path: Path, model_config: st
         problems.append(Problem(f"the recipe with parameters and the command's overrides does not load: {err}"))
         return problems
     values = recipe.values
+    if _is_int(count):  # the run's first check: a global batch the GPUs cannot make, or a fixed accumulation beside it
+        from sft_recipes.lint import LintContext, batch_the_world_cannot_produce
+
+        if batch := batch_the_world_cannot_produce(recipe, LintContext(count, True)):
+            problems.append(Problem(f"the recipe with parameters on {count} GPUs: {batch}"))
 
     model = str(values.get("model_name_or_path", ""))
     if model.startswith(GATED_MODEL_PREFIXES) and "HF_TOKEN" not in secrets:

@@ -56,6 +56,18 @@ class CardFacts:
     license: str | None = None
     hub_model_id: str | None = None
     extra_tags: list[str] = field(default_factory=list)
+    stand_in_note: str | None = None  # a tiny random stand-in (`tiny:llama`): its outputs are meaningless
+
+    @property
+    def title(self) -> str:
+        """The Hub id when pushed, else the model actually trained and its recipe: `tiny:llama SFT
+        (recipes/tiny/llama8b.yaml)`, never the recipe's name alone (the tiny twin's is its real recipe's)."""
+        if self.hub_model_id:
+            return self.hub_model_id
+        recipe = Path(self.recipe_path)
+        if recipe.is_absolute() and recipe.is_relative_to(Path.cwd()):
+            recipe = recipe.relative_to(Path.cwd())
+        return f"{Path(self.base_model).name} SFT ({recipe.as_posix()})"
 
 
 def data_sources_from(sources: list[dict[str, Any]]) -> list[DataSource]:
@@ -140,10 +152,11 @@ def build_model_card(facts: CardFacts) -> ModelCard:
 
     data_rows = "\n".join(f"| {s.name} | {s.revision or 'unpinned'} | {s.split or 'train'} | {share(s)} |"
                           for s in facts.data_sources)
-    tokens = f"{facts.tokens_seen:,}" if facts.tokens_seen else "n/a"
+    tokens = f"{facts.tokens_seen:,} (input tokens of the steps run, padding left out)" if facts.tokens_seen else "n/a"
+    note = f"\n> **Note:** {facts.stand_in_note}\n" if facts.stand_in_note else ""
     body = f"""
-# {facts.hub_model_id or Path(facts.recipe_path).stem}
-
+# {facts.title}
+{note}
 Supervised fine-tune of **{facts.base_model}** (revision `{facts.base_revision or 'unpinned'}`)
 as a {'LoRA adapter (PEFT)' if is_adapter else 'full model (consolidated checkpoint)'}, trained with
 TRL's SFTTrainer under FSDP2 by the sft-recipes recipe `{facts.recipe_path}`.

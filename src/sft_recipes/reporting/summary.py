@@ -26,6 +26,7 @@ class RunSummaryCallback(TrainerCallback):
         self.world_size = 1
         self.world_size_at_checkpoint: int | None = None  # set before training when resuming
         self.eval_losses: dict[int, float] = {}
+        self.tokens_seen: int | None = None  # input tokens of every step so far (the Trainer's count, resumes included)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.world_size = args.world_size
@@ -52,6 +53,7 @@ class RunSummaryCallback(TrainerCallback):
         if self.first_step is None:
             self.first_step = state.global_step
         self.last_step = state.global_step
+        self.tokens_seen = state.num_input_tokens_seen or None
         if state.global_step >= state.max_steps:  # the final step's loss is always logged, whatever logging_steps
             control.should_log = True
         return control
@@ -78,6 +80,7 @@ class RunSummaryCallback(TrainerCallback):
             "world_size_at_checkpoint": self.world_size_at_checkpoint,  # null: fresh, or an older marker
             "train_seconds": round(train_seconds, 3),
             "seconds_per_step": round(sum(self.step_seconds) / steps_run, 4) if steps_run else None,
+            "tokens_seen": self.tokens_seen,
             "final_loss": self.losses[max(self.losses)] if self.losses else None,
             "losses": {str(step): loss for step, loss in sorted(self.losses.items())},
             "eval_loss": self.eval_losses[max(self.eval_losses)] if self.eval_losses else None,
