@@ -72,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def main_then_tear_down() -> int:
     with process_group_destroyed_on_exit():
-        exit_code = one_line_refusals(main)
-    sys.exit(exit_code)
+        return main()
+
+
+if __name__ == "__main__":
+    sys.exit(one_line_refusals(main_then_tear_down))  # the `error:` line, if any, is the last thing written

@@ -14,6 +14,7 @@ from sft_recipes.fault.collective_timeout import bound_collective_waits
 from sft_recipes.fault.resume import protect_output_dir, resolve_resume_checkpoint
 from sft_recipes.lint import LintContext, lint_recipe
 from sft_recipes.loading import ModelSource
+from sft_recipes.reporting.console import open_train_log, quiet_other_ranks
 from sft_recipes.reporting.hub import HubPush, take_over_hub_push
 from sft_recipes.run.sequence_parallel import SequenceParallel, start_sequence_parallel
 
@@ -66,6 +67,8 @@ def start_run(recipe: Recipe) -> Run:
     """Lint against the launcher and the model's config, derive the global batch, make FSDP2 real on
     CPU too, bound every collective wait, keep output_dir to one recipe, choose the checkpoint to resume
     from, and have the model's files ready."""
+    quiet_other_ranks()  # one set of progress bars, rank 0's
+    open_train_log(recipe.training.output_dir)  # output_dir/train.log: rank 0's console, every rank's refusal
     source = ModelSource(recipe.model)
     lint_recipe(recipe, LintContext.from_environment(lambda: source.config))
     training = recipe.training
