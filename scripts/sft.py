@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Supervised fine-tuning with TRL's SFTTrainer, driven by one recipe YAML.
 
-    accelerate launch --config_file accelerate_configs/fsdp2_8gpu.yaml scripts/sft.py recipes/llama8b.yaml
-    accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml scripts/sft.py recipes/tiny/llama8b.yaml \
+    .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_8gpu.yaml scripts/sft.py recipes/llama8b.yaml
+    .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml scripts/sft.py recipes/tiny/llama8b.yaml \
         --max_steps 5 --output_dir outputs/try
 
 Any recipe key can be overridden with `--key value`. Every decision lives in `sft_recipes.run`;

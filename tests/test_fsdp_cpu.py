@@ -7,6 +7,7 @@ the same global batch in one process, a resume from its mid-run checkpoint, and 
 
 from __future__ import annotations
 
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -47,6 +48,22 @@ def runs(tmp_path_factory):
     resumed = launch_sft(TINY_LLAMA_RECIPE, *COMMON, "--output_dir", str(root / "two"), env={**env, "MLFLOW_RUN_ID": run_id})
 
     return {"root": root, "store": store, "full": two, "one": one, "resumed": resumed}
+
+
+def test_console_is_one_line_per_step_and_train_log_keeps_it(runs):
+    console = runs["full"].stdout + runs["full"].stderr
+    for step in range(1, STEPS + 1):
+        assert re.search(rf"^step {step}/{STEPS} \| loss \d+\.\d{{4}} \| lr \d\.\d\de-\d\d \| grad norm .* \| [\d,]+ "
+                         rf"tokens/s/device \| peak \d+\.\d\d GiB \| ETA \d+:\d\d:\d\d$", console, re.M), step
+    assert "{'loss'" not in console
+    log = (runs["root"] / "full" / "train.log").read_text()
+    assert log.startswith("== ") and f"[train] {STEPS} steps in" in log
+    assert re.findall(rf"^step \d+/{STEPS} \| loss .*$", log, re.M) == re.findall(rf"^step \d+/{STEPS} \| loss .*$", console, re.M)
+    # rank 1 draws no bars: the console's final "Tokenizing" frames are rank 0's, the ones in its log
+    frames = re.findall(r"Tokenizing [^:]*: 100%[^\r\n]*", console)
+    assert frames and frames == re.findall(r"Tokenizing [^:]*: 100%[^\r\n]*", log)
+    # a resume appends to the same log: two runs, two headers
+    assert (runs["root"] / "two" / "train.log").read_text().count("\n== ") + 1 == 2
 
 
 def test_two_process_run_is_fsdp2(runs):

@@ -44,7 +44,9 @@ def test_a_missing_dataset_is_one_line(tmp_path):
     assert errors == ["error: Dataset file not found: data/samples/nope.jsonl (dataset_name). Check the path "
                       f"relative to {REPO_ROOT}."]
     assert not _own_traceback(result.stderr)
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    # nothing but the log of the refusal: the console as it was, the error line last
+    assert [path.name for path in (tmp_path / "out").iterdir()] == ["train.log"]
+    assert (tmp_path / "out" / "train.log").read_text().splitlines()[-1] == errors[0]
 
 
 @pytest.mark.fsdp
@@ -58,6 +60,11 @@ def test_under_accelerate_launch_one_rank_prints_and_every_rank_exits_2(tmp_path
     codes = re.findall(r"exitcode  : (-?\d+)", result.stderr)
     assert "2" in codes and set(codes) <= {"2", "-15"}, codes
     assert not _own_traceback(result.stderr)
+    # below torchrun's report, train.log has rank 0's console and every rank that refused before torchrun stopped it
+    log = (tmp_path / "out" / "train.log").read_text().splitlines()
+    assert errors[0] in log and "ChildFailedError" not in "\n".join(log)
+    ranks_logged = [line for line in log if line.startswith("[rank ")]
+    assert ranks_logged in ([], [f"[rank 1] {errors[0]}"]) and len(ranks_logged) == codes.count("2") - 1, (log, codes)
 
 
 def _refusal(path, overrides=()) -> str:
