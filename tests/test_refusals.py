@@ -91,6 +91,6 @@ def test_the_most_common_refusals_end_with_what_to_do(tmp_path):
     message = _refusal(TINY_LLAMA_RECIPE, ["--pack_blocks", "true", "--datasets",
                                             "[{path: data/samples/alpaca.jsonl, dataset_format: alpaca}]",
                                             "--dataset_name", "null"])
-    assert "has dataset_format 'alpaca'; pack_blocks packs chat conversations (messages or reasoning): set " \
-           "pack_blocks: false, or give this source as chat conversations" in message
+    assert "has dataset_format 'alpaca'; pack_blocks packs chat conversations (alpaca_chat or messages or reasoning): " \
+           "set pack_blocks: false, or dataset_format: alpaca_chat on this source (its rows as chat conversations)" in message
     assert message.endswith(f"Fix that key in {TINY_LLAMA_RECIPE} or its --key override.")

@@ -16,6 +16,7 @@ Two checks, in this order:
    needs no model config (world size, launcher settings as the accelerate config exports them). A few
    seconds: the recipe dataclasses import TRL, nothing loads a model or data. The rules that need
    the model's config.json run again at start, in every process.
+What the config launches (nodes, processes per node) is `sft_recipes.launch`'s.
 """
 
 from __future__ import annotations
@@ -26,22 +27,7 @@ from pathlib import Path
 
 import yaml
 
-GPU_PRECISIONS = ("bf16", "fp16")
-
-
-def gpus_needed(accelerate_config: dict, recipe: dict, processes_per_node: int | None) -> tuple[int, str]:
-    """(GPUs this node needs, why) -- (0, "") for a CPU run (mixed_precision 'no' and a recipe without bf16/fp16)."""
-    if recipe.get("use_cpu") or accelerate_config.get("use_cpu"):
-        return 0, ""
-    reasons = []
-    if str(accelerate_config.get("mixed_precision", "no")).lower() in GPU_PRECISIONS:
-        reasons.append(f"mixed_precision: {accelerate_config['mixed_precision']}")
-    reasons += [f"{key}: true" for key in GPU_PRECISIONS if recipe.get(key) is True]
-    if not reasons:
-        return 0, ""
-    machines = int(accelerate_config.get("num_machines") or 1)
-    per_node = processes_per_node or int(accelerate_config.get("num_processes") or 1) // machines
-    return per_node, ", ".join(reasons)
+from sft_recipes.launch import gpus_needed, read_accelerate_config
 
 
 def preflight(config_path: str, recipe_path: str, processes_per_node: int | None, gpu_count: int) -> str | None:
@@ -49,9 +35,8 @@ def preflight(config_path: str, recipe_path: str, processes_per_node: int | None
     for path in (config_path, recipe_path):
         if not Path(path).is_file():
             return f"{path} not found"
-    accelerate_config = yaml.safe_load(Path(config_path).read_text()) or {}
     recipe = yaml.safe_load(Path(recipe_path).read_text()) or {}
-    needed, why = gpus_needed(accelerate_config, recipe, processes_per_node)
+    needed, why = gpus_needed(read_accelerate_config(config_path), recipe, processes_per_node)
     if gpu_count >= needed:
         return None
     have = "no GPU" if gpu_count == 0 else f"{gpu_count} GPU(s)"
@@ -70,12 +55,12 @@ def recipe_refusal(config_path: str, recipe_path: str, overrides: list[str], wor
     from sft_recipes.data.sources import refuse_missing_local_path
     from sft_recipes.errors import RecipeError
     from sft_recipes.lint import LintContext, lint_recipe
-    from sft_recipes.plan import export_launch_environment, read_accelerate_config
     from sft_recipes.reporting.hub import take_over_hub_push
 
+    environment = dict(os.environ)
     try:
         accelerate_config = read_accelerate_config(config_path)
-        export_launch_environment(accelerate_config)  # this process only: the rules read what the launch exports
+        accelerate_config.export()  # for the rules, which read what the launch exports (restored below)
         recipe = load_recipe(recipe_path, overrides, planning=not has_accelerator)
         data = recipe.data
         where = "datasets" if data.datasets else "dataset_name"
@@ -84,12 +69,13 @@ def recipe_refusal(config_path: str, recipe_path: str, overrides: list[str], wor
                 if source.path:
                     refuse_missing_local_path(source.path, key)
         take_over_hub_push(recipe.training)
-        world = world_size or int(accelerate_config.get("num_processes") or 1)
+        world = world_size or accelerate_config.num_processes
         lint_recipe(recipe, LintContext(world_size=world, has_accelerator=has_accelerator))
     except RecipeError as err:
         return str(err)
     finally:
-        os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
+        os.environ.clear()
+        os.environ.update(environment)
     return None
 
 
