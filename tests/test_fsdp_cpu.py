@@ -8,6 +8,7 @@ the same global batch in one process, a resume from its mid-run checkpoint, and 
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import sqlite3
 import subprocess
@@ -87,6 +88,20 @@ def test_console_is_one_line_per_step_and_train_log_keeps_it(runs):
     assert frames and frames == re.findall(r"Tokenizing [^:]*: 100%[^\r\n]*", log)
     # a resume appends to the same log: two runs, two headers
     assert (runs["root"] / "two" / "train.log").read_text().count("\n== ") + 1 == 2
+
+
+def test_make_show_and_the_chat_command_it_prints_run_as_printed(runs):
+    from test_readme_commands import fresh_shell_env
+
+    # -o: this venv exists; a fresh checkout's timestamps must not make make rebuild it
+    shown = run_command(["make", "-s", "-o", ".venv/.installed", "show", f"OUT={runs['root'] / 'full'}"],
+                        env=fresh_shell_env())
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    once = re.search(r"one answer: (make chat OUT=\S+ ARGS='--prompt \"Hi\"')", shown.stdout)
+    assert once and "python scripts/" not in shown.stdout.replace(".venv/bin/python scripts/", ""), shown.stdout
+    words = shlex.split(once.group(1))
+    chat = run_command([words[0], "-s", "-o", ".venv/.installed", *words[1:]], env=fresh_shell_env())
+    assert chat.returncode == 0, chat.stderr[-3000:]
 
 
 def test_two_process_run_is_fsdp2(runs):
