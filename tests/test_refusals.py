@@ -64,7 +64,9 @@ def test_under_accelerate_launch_one_rank_prints_and_every_rank_exits_2(tmp_path
     log = (tmp_path / "out" / "train.log").read_text().splitlines()
     assert errors[0] in log and "ChildFailedError" not in "\n".join(log)
     ranks_logged = [line for line in log if line.startswith("[rank ")]
-    assert ranks_logged in ([], [f"[rank 1] {errors[0]}"]) and len(ranks_logged) == codes.count("2") - 1, (log, codes)
+    assert ranks_logged in ([], [f"[rank 1] {errors[0]}"]), log
+    if "-15" not in codes:  # both ranks refused (none was stopped first): both lines are there
+        assert ranks_logged == [f"[rank 1] {errors[0]}"], log
 
 
 def _refusal(path, overrides=()) -> str:
