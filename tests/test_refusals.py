@@ -44,6 +44,7 @@ def test_a_missing_dataset_is_one_line(tmp_path):
     assert errors == ["error: Dataset file not found: data/samples/nope.jsonl (dataset_name). Check the path "
                       f"relative to {REPO_ROOT}."]
     assert not _own_traceback(result.stderr)
+    assert result.stderr.strip().splitlines()[-1] == errors[0]  # the last thing the process wrote
     # nothing but the log of the refusal: the console as it was, the error line last
     assert [path.name for path in (tmp_path / "out").iterdir()] == ["train.log"]
     assert (tmp_path / "out" / "train.log").read_text().splitlines()[-1] == errors[0]
