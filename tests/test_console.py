@@ -6,7 +6,7 @@ import io
 import re
 
 from conftest import REPO_ROOT, run_command
-from sft_recipes.reporting.console import _Tee, step_line
+from sft_recipes.reporting.console import _Tee, _TrainLog, step_line
 
 
 def test_a_training_log_is_one_line_with_what_a_user_watches():
@@ -41,3 +41,21 @@ def test_make_help_lists_every_target():
     assert result.returncode == 0, result.stderr
     listed = set(re.findall(r"^make ([a-z][\w-]*)", result.stdout, re.M))
     assert targets >= {"demo", "test", "show", "chat", "help"} and listed == targets, (targets - listed, listed - targets)
+
+
+def test_the_log_is_held_until_the_run_trains_or_refuses(tmp_path):
+    path = tmp_path / "out" / "train.log"
+    finished = _TrainLog(path, rank=0)
+    finished.write("checkpoint-4 has already trained 4 step(s)\n")
+    assert not path.exists()  # a finished run's re-run writes nothing
+    refusing = _TrainLog(path, rank=0)
+    refusing.write("a line\nerror: bad\n")
+    refusing.refused("error: bad")
+    _TrainLog(path, rank=1).refused("error: bad")
+    assert path.read_text() == "a line\nerror: bad\n[rank 1] error: bad\n"
+    training = _TrainLog(path, rank=0)
+    training.write("step 1/4 | loss 6.2000\n")
+    training.keep()
+    training.write("step 2/4 | loss 5.9000\n")
+    training.flush()
+    assert path.read_text().endswith("[rank 1] error: bad\nstep 1/4 | loss 6.2000\nstep 2/4 | loss 5.9000\n")

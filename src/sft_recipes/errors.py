@@ -4,8 +4,8 @@ Every check of user input (the recipe, its data, its output_dir, the launcher's 
 `RecipeError` with a message that names the problem and ends with the fix. `one_line_refusals` turns
 it into that one line, printed once (by the process of rank 0, or by the only process), and exit
 status 2 on every rank: the ranks of a distributed run meet the same refusal, so none is left
-waiting. Every rank also appends its line to the run's train.log once the run has one
-(`reporting.console.open_train_log`): torchrun's ChildFailedError report comes after ours, so the
+waiting. Every rank's line also goes to the run's train.log once the run has one (`on_refusal`,
+`reporting.console.open_train_log`): torchrun's ChildFailedError report comes after ours, so the
 log (or the first `error:` line of the console) is where a refusal made inside the run is read.
 """
 
@@ -14,19 +14,18 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 REFUSED_EXIT_CODE = 2
-_REFUSAL_LOG: list[tuple[Path, int]] = []  # (train.log, this process's rank), once the run has one
+_REFUSAL_HOOKS: list[Callable[[str], None]] = []  # e.g. train.log's: called with the `error:` line once printed
 
 
 class RecipeError(ValueError):
     """Bad input a user can fix; the message lists every problem found, each with its fix."""
 
 
-def write_refusals_to(path: str | os.PathLike, rank: int) -> None:
-    """From now on a refusal of this process is also appended to `path` (rank 0's goes there with its console)."""
-    _REFUSAL_LOG[:] = [(Path(path), rank)]
+def on_refusal(hook: Callable[[str], None]) -> None:
+    """From now on `hook` gets this process's `error:` line when it refuses (one hook: the run's train.log)."""
+    _REFUSAL_HOOKS[:] = [hook]
 
 
 def one_line_refusals(main: Callable[[], int]) -> int:
@@ -37,12 +36,9 @@ def one_line_refusals(main: Callable[[], int]) -> int:
     try:
         return main()
     except RecipeError as err:
-        rank = int(os.environ.get("RANK", "0"))
-        if rank == 0:
+        if int(os.environ.get("RANK", "0")) == 0:
             # On a line of its own, even after a progress bar that ended with a carriage return and no newline.
             print(f"\nerror: {err}", file=sys.stderr, flush=True)
-        for path, log_rank in _REFUSAL_LOG:
-            if log_rank != 0 and path.parent.is_dir():  # rank 0's line reached the log with its console
-                with open(path, "a", encoding="utf-8") as log:
-                    log.write(f"[rank {log_rank}] error: {err}\n")
+        for hook in _REFUSAL_HOOKS:
+            hook(f"error: {err}")
         return REFUSED_EXIT_CODE

@@ -11,7 +11,8 @@
 - `open_train_log`: `output_dir/train.log` gets everything rank 0's console shows (its stdout and
   stderr, the logging handlers that write there included; a progress bar as its last frame, not
   every redraw), appended run after run (a resume continues the same file), and every other rank's
-  refusal line (`errors.one_line_refusals`). A refusal that only the run can make (torchrun then
+  refusal line (`errors.one_line_refusals`). It is held in memory until the run is known to train
+  (`keep_train_log`) or refuses, so re-running a finished run writes nothing. A refusal that only the run can make (torchrun then
   prints its ChildFailedError report after ours) is found there, or as the first `error:` line of
   the console.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from sft_recipes.errors import write_refusals_to
+from sft_recipes.errors import on_refusal
 
 TRAIN_LOG = "train.log"
 
@@ -162,17 +163,59 @@ class _Tee:
         return getattr(self._stream, name)
 
 
+class _TrainLog:
+    """output_dir/train.log, held in memory until the run is known to train (`keep_train_log`) or refuses: a
+    finished run's re-run (nothing to train) writes nothing."""
+
+    def __init__(self, path: Path, rank: int):
+        self.path, self.rank, self._held, self._file = path, rank, [], None
+
+    def write(self, text: str) -> None:
+        if self._file is None:
+            self._held.append(text)
+        else:
+            self._file.write(text)
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def keep(self) -> None:
+        if self._file is None and self.rank == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 -- open for the life of the process
+            self._file.write("".join(self._held))
+            self._held.clear()
+            self._file.flush()
+
+    def refused(self, line: str) -> None:
+        if self.rank == 0:
+            self.keep()  # the line itself came through the console
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as log:
+                log.write(f"[rank {self.rank}] {line}\n")
+
+
+_TRAIN_LOG: list[_TrainLog] = []
+
+
+def keep_train_log() -> None:
+    """The run trains: write what the log held so far, and everything from now on."""
+    for log in _TRAIN_LOG:
+        log.keep()
+
+
 def open_train_log(output_dir: str | os.PathLike, rank: int | None = None) -> Path:
-    """Rank 0: tee the console into output_dir/train.log. Every rank: append its refusal there."""
+    """Rank 0: tee the console into output_dir/train.log (held until `keep_train_log` or a refusal). Every rank:
+    its refusal goes there too."""
     path = Path(output_dir) / TRAIN_LOG
-    rank = process_rank() if rank is None else rank
-    write_refusals_to(path, rank)
-    if rank != 0:
+    log = _TrainLog(path, process_rank() if rank is None else rank)
+    _TRAIN_LOG[:] = [log]
+    on_refusal(log.refused)
+    if log.rank != 0:
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(path, "a", encoding="utf-8")  # noqa: SIM115 -- open for the life of the process
     log.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(sys.argv)}\n")
-    log.flush()
     streams = {}
     for name in ("stdout", "stderr"):
         console = getattr(sys, name)
