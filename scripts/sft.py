@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Supervised fine-tuning with TRL's SFTTrainer, driven by one recipe YAML.
 
-    accelerate launch --config_file accelerate_configs/fsdp2_8gpu.yaml scripts/sft.py recipes/llama8b.yaml
-    accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml scripts/sft.py recipes/tiny/llama8b.yaml \
+    .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_8gpu.yaml scripts/sft.py recipes/llama8b.yaml
+    .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml scripts/sft.py recipes/tiny/llama8b.yaml \
         --max_steps 5 --output_dir outputs/try
 
 Any recipe key can be overridden with `--key value`. Every decision lives in `sft_recipes.run`;
@@ -86,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def main_then_tear_down() -> int:
     with process_group_destroyed_on_exit():
-        exit_code = one_line_refusals(main)
-    sys.exit(exit_code)
+        return main()
+
+
+if __name__ == "__main__":
+    sys.exit(one_line_refusals(main_then_tear_down))  # the `error:` line, if any, is the last thing written

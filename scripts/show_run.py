@@ -2,13 +2,14 @@
 """Show what a finished run left behind (summary, curves picture, samples, card), proving the checkpoint loads
 with plain transformers.
 
-    python scripts/show_run.py outputs/demo
+    make show OUT=outputs/demo        (or: .venv/bin/python scripts/show_run.py outputs/demo)
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -46,13 +47,14 @@ def main(output_dir: str) -> int:
     print(f"  checkpoints        {', '.join(sorted(p.name for p in out.glob('checkpoint-*'))) or 'none'} (resume: rerun the same command)")
     print(f"  summary            {out}/run_summary.json")
     for name, label in (("training_curves.png", "curves picture"), ("samples.md", "samples before/after"),
-                        ("README.md", "model card")):
+                        ("README.md", "model card"), ("train.log", "console log")):
         print(f"  {label:<21}{out / name if (out / name).is_file() else 'none'}")
-    print(f"  chat with it       python scripts/chat.py {out}")
+    print(f"  chat with it       make chat OUT={out}   (one answer: make chat OUT={out} ARGS='--prompt \"Hi\"')")
     if summary.get("mlflow_tracking_uri"):
         uri = summary["mlflow_tracking_uri"]
         print(f"  MLflow             run {summary['mlflow_run_id']} in {uri}")
-        print(f"  MLflow UI          pip install mlflow && mlflow ui --backend-store-uri {uri}")
+        mlflow = f"mlflow=={version('mlflow-skinny')}"  # the UI of the client that wrote the runs
+        print(f"  MLflow UI          .venv/bin/pip install {mlflow} && .venv/bin/mlflow ui --backend-store-uri {uri}")
     return 0
 
 

@@ -8,6 +8,8 @@ the same global batch in one process, a resume from its mid-run checkpoint, and 
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import shutil
 import sqlite3
 import subprocess
@@ -72,6 +74,36 @@ def test_audit_after_a_run_reads_the_data_without_choosing_a_checkpoint(runs):
     audit = runs["audit"]
     assert audit.returncode == 0, audit.stderr[-3000:]
     assert "resume_from_checkpoint=auto" not in audit.stderr and "=== example 0" in audit.stdout
+
+
+def test_console_is_one_line_per_step_and_train_log_keeps_it(runs):
+    console = runs["full"].stdout + runs["full"].stderr
+    for step in range(1, STEPS + 1):
+        assert re.search(rf"^step {step}/{STEPS} \| loss \d+\.\d{{4}} \| lr \d\.\d\de-\d\d \| grad norm .* \| [\d,]+ "
+                         rf"tokens/s/device \| peak \d+\.\d\d GiB \| ETA \d+:\d\d:\d\d$", console, re.M), step
+    assert "{'loss'" not in console
+    log = (runs["root"] / "full" / "train.log").read_text()
+    assert log.startswith("== ") and f"[train] {STEPS} steps in" in log
+    assert re.findall(rf"^step \d+/{STEPS} \| loss .*$", log, re.M) == re.findall(rf"^step \d+/{STEPS} \| loss .*$", console, re.M)
+    # rank 1 draws no bars: the console's final "Tokenizing" frames are rank 0's, the ones in its log
+    frames = re.findall(r"Tokenizing [^:]*: 100%[^\r\n]*", console)
+    assert frames and frames == re.findall(r"Tokenizing [^:]*: 100%[^\r\n]*", log)
+    # a resume appends to the same log: two runs, two headers
+    assert (runs["root"] / "two" / "train.log").read_text().count("\n== ") + 1 == 2
+
+
+def test_make_show_and_the_chat_command_it_prints_run_as_printed(runs):
+    from test_readme_commands import fresh_shell_env
+
+    # -o: this venv exists; a fresh checkout's timestamps must not make make rebuild it
+    shown = run_command(["make", "-s", "-o", ".venv/.installed", "show", f"OUT={runs['root'] / 'full'}"],
+                        env=fresh_shell_env())
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    once = re.search(r"one answer: (make chat OUT=\S+ ARGS='--prompt \"Hi\"')", shown.stdout)
+    assert once and "python scripts/" not in shown.stdout.replace(".venv/bin/python scripts/", ""), shown.stdout
+    words = shlex.split(once.group(1))
+    chat = run_command([words[0], "-s", "-o", ".venv/.installed", *words[1:]], env=fresh_shell_env())
+    assert chat.returncode == 0, chat.stderr[-3000:]
 
 
 def test_two_process_run_is_fsdp2(runs):

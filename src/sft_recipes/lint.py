@@ -61,8 +61,9 @@ def trl_packing_with_block_packing(recipe: Recipe, ctx: LintContext) -> str | No
 def block_packing_needs_chat_data(recipe: Recipe, ctx: LintContext) -> str | None:
     if recipe.data.pack_blocks and recipe.data.dataset_format not in CHAT_FORMATS:
         return (f"pack_blocks needs a chat dataset_format, one of {CHAT_FORMATS} (got {recipe.data.dataset_format!r}): "
-                "set pack_blocks: false, or give the data as chat conversations (dataset_format: messages; alpaca rows: "
-                "dataset_format: alpaca_chat renders them through the chat template)")
+                "set pack_blocks: false, or " + ("dataset_format: alpaca_chat (the rows as chat conversations)"
+                                                 if recipe.data.dataset_format == "alpaca" else
+                                                 "give the data as chat conversations (dataset_format: messages)"))
     return None
 
 

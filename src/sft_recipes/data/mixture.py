@@ -100,9 +100,8 @@ def check_data_sources(data_args) -> None:
         if data_args.pack_blocks and (key == "eval_datasets" or data_args.datasets):  # one dataset: the linter's
             problems += [f"{key}: {source.label} has dataset_format {source.dataset_format!r}; pack_blocks packs "
                          f"chat conversations ({' or '.join(CHAT_FORMATS)}): set pack_blocks: false, or "
-                         + ("dataset_format: alpaca_chat on this source (its rows as user/assistant turns through "
-                            "the chat template)" if source.dataset_format == "alpaca" else
-                            "give this source as chat conversations")
+                         + ("dataset_format: alpaca_chat on this source (its rows as chat conversations)"
+                            if source.dataset_format == "alpaca" else "give this source as chat conversations")
                          for source in sources if source.dataset_format not in CHAT_FORMATS]
         if key == "datasets" and is_streamed(data_args) and not data_args.pack_blocks:
             streaming_key = "streaming" if data_args.streaming else "dataset_streaming"

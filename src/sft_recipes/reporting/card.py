@@ -122,13 +122,15 @@ def how_to_load(facts: CardFacts) -> str:
             + (f", revision={facts.base_revision!r}" if facts.base_revision else "") + ")\n"
             f"model = PeftModel.from_pretrained(base, {where!r})\n"
             f"tokenizer = AutoTokenizer.from_pretrained({where!r})\n```\n"
-            "This is a LoRA adapter (PEFT); `scripts/merge_lora.py` writes a merged model."
+            "This is a LoRA adapter (PEFT); from an sft-recipes checkout, "
+            "`.venv/bin/python scripts/merge_lora.py ADAPTER_DIR MERGED_DIR` writes a merged model."
         )
     return (
         "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
         f"model = AutoModelForCausalLM.from_pretrained({where!r})\n"
         f"tokenizer = AutoTokenizer.from_pretrained({where!r})\n```\n"
-        "A consolidated checkpoint (all weights); chat with it: `python scripts/chat.py OUTPUT_DIR`."
+        "A consolidated checkpoint (all weights); chat with it from an sft-recipes checkout: "
+        "`make chat OUT=OUTPUT_DIR` (or `.venv/bin/python scripts/chat.py OUTPUT_DIR`)."
     )
 
 

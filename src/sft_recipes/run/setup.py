@@ -14,6 +14,7 @@ from sft_recipes.fault.collective_timeout import bound_collective_waits
 from sft_recipes.fault.resume import nothing_left_to_train, protect_output_dir, resolve_resume_checkpoint
 from sft_recipes.lint import LintContext, lint_recipe
 from sft_recipes.loading import ModelSource
+from sft_recipes.reporting.console import keep_train_log, open_train_log, quiet_other_ranks
 from sft_recipes.reporting.hub import HubPush, take_over_hub_push
 from sft_recipes.run.sequence_parallel import SequenceParallel, start_sequence_parallel
 
@@ -70,6 +71,9 @@ def start_run(recipe: Recipe, read_only: bool = False) -> Run:
 
     `read_only` (`--audit-data`): output_dir is neither tidied nor resumed from, so an audit reads the data
     the same way before, during and after a run, whatever the checkpoints there were trained on."""
+    quiet_other_ranks()  # one set of progress bars, rank 0's
+    if not read_only:
+        open_train_log(recipe.training.output_dir)  # output_dir/train.log: rank 0's console, every rank's refusal
     source = ModelSource(recipe.model)
     lint_recipe(recipe, LintContext.from_environment(lambda: source.config))
     training = recipe.training
@@ -87,6 +91,8 @@ def start_run(recipe: Recipe, read_only: bool = False) -> Run:
                 print(finished, flush=True)
             return Run(recipe=recipe, source=source, batch_derivation=derivation, resume_from=resume_from,
                        finished=finished)
+    if not read_only:
+        keep_train_log()  # this run trains: its console from the start into train.log
     with training.main_process_first(local=False, desc="model files"):
         source.ensure_files()  # a tiny stand-in is built once, by the main process
     run = Run(recipe=recipe, source=source, batch_derivation=derivation, resume_from=resume_from, hub_push=hub_push,
