@@ -53,6 +53,7 @@ import argparse
 import contextlib
 import difflib
 import functools
+import json
 import os
 import re
 import shlex
@@ -390,12 +391,13 @@ def header_variants(recipe_path: Path) -> list[str]:
 
 
 @functools.lru_cache(maxsize=32)
-def _plan(recipe: str, overrides: tuple, config_path: str, world_size: int):
+def _plan(recipe: str, overrides_json: str, config_path: str, world_size: int):
+    """The --dry-run plan (cached: broken copies of one workload share it)."""
     from sft_recipes.config import load_recipe
     from sft_recipes.plan import plan_recipe
 
     config = read_accelerate_config(config_path)
-    return plan_recipe(load_recipe(recipe, dict(overrides), planning=True), config, world_size)
+    return plan_recipe(load_recipe(recipe, json.loads(overrides_json), planning=True), config, world_size)
 
 
 def _fit_problems(recipe_path: Path, overrides: dict, config: AccelerateConfig, compute: Mapping,
@@ -407,9 +409,7 @@ def _fit_problems(recipe_path: Path, overrides: dict, config: AccelerateConfig, 
     planned = {**overrides, **({"model_name_or_path": model_config} if model_config else {})}
 
     def plan(extra: dict):
-        merged = tuple(sorted({**planned, **extra}.items(), key=lambda item: item[0]))
-        return _plan(str(recipe_path), tuple((k, v if not isinstance(v, list) else tuple(v)) for k, v in merged),
-                     str(config.path), world_size)
+        return _plan(str(recipe_path), json.dumps({**planned, **extra}, sort_keys=True), str(config.path), world_size)
 
     try:
         base = plan({})
