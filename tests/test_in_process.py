@@ -30,8 +30,8 @@ def test_the_environment_is_what_accelerate_launch_exports(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     launched = json.loads((tmp_path / "env0.json").read_text())
     launched = {name: value for name, value in launched.items() if name.startswith(EXPORTED_PREFIXES)}
-    ours = accelerate_launch_environment(CPU_CONFIG, world_size=2)
-    assert {name: value for name, value in ours.items() if name.startswith(EXPORTED_PREFIXES)} == launched
+    launched = {name: value for name, value in launched.items() if not name.startswith("ACCELERATE_DYNAMO_")}
+    assert accelerate_launch_environment(CPU_CONFIG, world_size=2) == launched  # dynamo: unset reads as off
     assert launched["ACCELERATE_USE_FSDP"] == "true" and launched["FSDP_VERSION"] == "2"
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO_ROOT
 from sft_recipes.config import _field_owners, load_recipe
-from sft_recipes.plan import header_accelerate_config
+from sft_recipes.launch import header_accelerate_config
 
 NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.py"))
 CELL_SEPARATOR = "\n# COMMAND ----------\n"

@@ -329,14 +329,16 @@ def read_recipe_file(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         nearby = sorted(p.as_posix() for p in Path("recipes").rglob("*.yaml")) if Path("recipes").is_dir() else []
-        hint = f" Available recipes: {', '.join(nearby)}." if nearby else ""
-        raise RecipeError(f"Recipe file not found: {path}.{hint}")
+        hint = f": one of {', '.join(nearby)}" if nearby else ", e.g. recipes/tiny/llama8b.yaml"
+        raise RecipeError(f"Recipe file not found: {path}. Pass the path of a recipe YAML{hint}.")
     try:
         values = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise RecipeError(f"{path} is not valid YAML: {err}") from None
+        raise RecipeError(f"{path} is not valid YAML: {' '.join(str(err).split())}. Fix the YAML at the line and column "
+                          "named (one `key: value` per line).") from None
     if not isinstance(values, dict):
-        raise RecipeError(f"{path} must be a mapping of key: value, got {type(values).__name__}.")
+        raise RecipeError(f"{path} must be a mapping of key: value, got {type(values).__name__}: write one "
+                          "`key: value` per line, as in recipes/tiny/llama8b.yaml.")
     return values
 
 
@@ -397,7 +399,9 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
             continue
         if key not in owners:
             close = difflib.get_close_matches(key, owners.keys(), n=3, cutoff=0.6)
-            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            hint = (f"; did you mean {', '.join(repr(c) for c in close)}?" if close else
+                    ": remove it, or use a field of DataArguments, ModelArguments or TrainingArguments "
+                    "(src/sft_recipes/config.py)")
             problems.append(f"unknown key '{key}'{origin}{hint}")
             continue
         for cls in owners[key]:
@@ -409,7 +413,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
         else:
             problems += [problem + origin for problem in range_problems({key: kwargs[owners[key][0]][key]})]
     if problems:
-        raise RecipeError(f"{path}: " + "; ".join(problems) + ".")
+        raise RecipeError(f"{path}: " + "; ".join(problems) + f". Fix these in {path} or in the --key overrides.")
 
     if planning and "use_cpu" not in values:
         kwargs[TrainingArguments]["use_cpu"] = True
@@ -418,7 +422,8 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
         try:
             built.append(cls(**kwargs[cls]))
         except (ValueError, TypeError) as err:
-            raise RecipeError(f"{path}: {cls.__name__} rejected the recipe: {err}") from None
+            raise RecipeError(f"{path}: {cls.__name__} rejected the recipe: {str(err).rstrip('.')}. Fix that key in "
+                              f"{path} or its --key override.") from None
     data, model, training = built
     return Recipe(data=data, model=model, training=training, source=Path(path), values=values,
                   overrides={name: {key: interpolate_env(value, []) for key, value in given.items()}

@@ -31,13 +31,12 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from sft_recipes.errors import RecipeError
+from sft_recipes.launch import read_accelerate_config
 
 RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -59,37 +58,23 @@ def caller_world() -> tuple[int, int]:
 
 
 def accelerate_launch_environment(config_file: str | os.PathLike, world_size: int) -> dict[str, str]:
-    """The variables `accelerate launch --config_file CONFIG` exports to its processes, for `world_size` processes.
+    """The variables `accelerate launch --config_file CONFIG` exports to its processes (`sft_recipes.launch`).
 
-    RecipeError when the config launches another number of processes than the caller started: that layout
-    (num_processes x num_machines) is what the recipe header and the plan were made for.
+    RecipeError for what accelerate's launcher would refuse in the config, and when the config launches another
+    number of processes than the caller started: that layout (num_processes over num_machines) is what the
+    recipe header and the plan were made for.
     """
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
-
-    config_file = Path(config_file)
-    if not config_file.is_file():
-        raise RecipeError(f"accelerate config not found: {config_file}: pass accelerate_config= one of "
-                          f"{', '.join(sorted(p.as_posix() for p in Path('accelerate_configs').glob('*.yaml')))}.")
-    config = yaml.safe_load(config_file.read_text()) or {}
-    configured = int(config.get("num_processes") or 1)
-    if configured != world_size:
-        raise RecipeError(f"{config_file} launches {configured} processes (num_processes) but train() runs in a world "
-                          f"of {world_size} (WORLD_SIZE): start {configured} processes (e.g. gpus={configured}), or "
-                          f"pass the accelerate config made for {world_size}.")
+    config = read_accelerate_config(config_file)
+    problems = config.problems()
+    if config.num_processes != world_size:
+        problems.append(f"{config.name} launches {config.num_processes} processes (num_processes) but train() runs in "
+                        f"a world of {world_size} (WORLD_SIZE): start {config.num_processes} processes (e.g. "
+                        f"gpus={config.num_processes}), or pass the accelerate config made for {world_size}")
     if config.get("distributed_type") == "DEEPSPEED":
-        raise RecipeError(f"{config_file} is a DeepSpeed config: these recipes train with FSDP2 configs "
-                          "(accelerate_configs/).")
-    # One machine and a free port: the rendezvous is the caller's; only the exported variables are used.
-    args = launch_command_parser().parse_args(
-        ["--config_file", str(config_file), "--num_processes", str(world_size), "--num_machines", "1",
-         "--machine_rank", "0", "--main_process_port", "0", "train()"])
-    args, _, _ = _validate_launch_command(args)
-    if (args.use_fsdp or args.multi_gpu) and not args.cpu:  # launch_command's choice of launcher
-        exported = prepare_multi_gpu_env(args)
-    else:
-        _, exported = prepare_simple_launcher_cmd_env(args)
-    return {name: value for name, value in exported.items() if os.environ.get(name) != value}
+        problems.append(f"{config.name} is a DeepSpeed config: these recipes train with FSDP2 (accelerate_configs/)")
+    if problems:
+        raise RecipeError("; ".join(problems) + ".")
+    return config.launch_environment()
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from typing import Any
 from sft_recipes.config import load_recipe
 from sft_recipes.errors import RecipeError
 from sft_recipes.in_process import in_process_launch
-from sft_recipes.run import RunResult, complete_run, start_run
+from sft_recipes.run import RunResult, complete_run, earlier_result, start_run
 
 OVERRIDES_SOURCE = "keyword_arguments"  # how run_summary.json and MLflow name train()'s overrides
 
@@ -39,11 +39,12 @@ def train(recipe: str | os.PathLike, accelerate_config: str | os.PathLike | None
     if accelerate_config is None:
         accelerate_config = _header_config(recipe)
     with in_process_launch(accelerate_config):
-        return complete_run(start_run(load_recipe(recipe, overrides, overrides_source=OVERRIDES_SOURCE)))
+        run = start_run(load_recipe(recipe, overrides, overrides_source=OVERRIDES_SOURCE))
+        return earlier_result(run) if run.finished else complete_run(run)
 
 
 def _header_config(recipe: str | os.PathLike) -> str:
-    from sft_recipes.plan import header_accelerate_config
+    from sft_recipes.launch import header_accelerate_config
 
     named = header_accelerate_config(recipe)
     if named is None:

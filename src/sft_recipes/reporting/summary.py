@@ -29,6 +29,10 @@ class RunSummaryCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.world_size = args.world_size
+        # A resumed run starts from the checkpoint's trainer state, whose log_history holds the steps before the
+        # resume: the summary keeps them, so its losses cover the whole training and not only this launch.
+        for entry in state.log_history:
+            self.on_log(args, state, control, logs=entry, step=entry.get("step"))
         if state.is_world_process_zero and "mlflow" in (args.report_to or []):
             import mlflow  # MLflowCallback, earlier in the callback list, has started the run
 
@@ -52,11 +56,12 @@ class RunSummaryCallback(TrainerCallback):
             control.should_log = True
         return control
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args, state, control, logs=None, step: int | None = None, **kwargs):
+        step = state.global_step if step is None else step  # `step`: an entry of the checkpoint's log_history
         if logs and "loss" in logs:
-            self.losses[state.global_step] = float(logs["loss"])
+            self.losses[step] = float(logs["loss"])
         if logs and "eval_loss" in logs:
-            self.eval_losses[state.global_step] = float(logs["eval_loss"])
+            self.eval_losses[step] = float(logs["eval_loss"])
         for key in ("packing_efficiency", "tokens_per_second_per_device", "mfu", "peak_memory_gib"):
             if logs and key in logs:
                 self.last_metrics[key] = float(logs[key])

@@ -13,10 +13,10 @@
 
 from sft_recipes.run.complete import complete_run
 from sft_recipes.run.data import RunData, audit_data, build_data
-from sft_recipes.run.finish import RunResult, finish
+from sft_recipes.run.finish import RunResult, earlier_result, finish
 from sft_recipes.run.model import RunModel, build_model
 from sft_recipes.run.setup import Run, start_run
 from sft_recipes.run.training import Training, build_trainer
 
 __all__ = ["Run", "RunData", "RunModel", "RunResult", "Training", "audit_data", "build_data", "build_model",
-           "build_trainer", "complete_run", "finish", "start_run"]
+           "build_trainer", "complete_run", "earlier_result", "finish", "start_run"]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sft_recipes.architectures.sequence_parallel import sequence_parallel_suspended
+from sft_recipes.errors import RecipeError
 from sft_recipes.export import export_run
 from sft_recipes.reporting.export_check import ExportCheck
 from sft_recipes.reporting.load_export import load_export
@@ -33,6 +34,20 @@ class RunResult:
     @property
     def final_loss(self) -> float | None:
         return self.losses[max(self.losses)] if self.losses else None
+
+
+def earlier_result(run: Run) -> RunResult:
+    """A run already at max_steps (`run.finished`, nothing trained now): the result its run_summary.json holds."""
+    output_dir = Path(run.recipe.training.output_dir)
+    try:
+        report = json.loads((output_dir / "run_summary.json").read_text())
+    except (OSError, ValueError):
+        raise RecipeError(f"{run.finished} -- and {output_dir} holds no readable run_summary.json (the earlier run "
+                          "stopped before its export): pass overwrite_output_dir=True to train again.") from None
+    return RunResult(output_dir=report["checkpoint"], losses={int(step): loss for step, loss in report["losses"].items()},
+                     eval_loss=report.get("eval_loss"), export_check=ExportCheck.from_logit_diff(
+                         report.get("export_max_logit_diff")), mlflow_run_id=report.get("mlflow_run_id") if run.is_main
+                     else None, summary=report if run.is_main else None)
 
 
 def finish(run: Run, training: Training) -> RunResult:
