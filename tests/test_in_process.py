@@ -45,7 +45,8 @@ def test_a_world_the_config_was_not_made_for_is_one_refusal():
     with pytest.raises(RecipeError) as err:
         accelerate_launch_environment(GPU_CONFIG, world_size=16)
     assert str(err.value) == (f"{GPU_CONFIG} launches 8 processes (num_processes) but train() runs in a world of 16 "
-                              "(WORLD_SIZE): start 8 processes (e.g. gpus=8), or pass the accelerate config made for 16.")
+                              "(WORLD_SIZE): start 8 processes (e.g. gpus=8), or pass the accelerate config made "
+                              "for 16.")
 
 
 def test_a_partial_rendezvous_is_refused(monkeypatch):

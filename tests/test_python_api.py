@@ -38,7 +38,8 @@ WORKER_TIMEOUT = 600  # seconds: a rank left waiting in a collective would be ki
 def in_process(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_api")
     calls = [
-        dict(recipe=str(TINY_LLAMA_RECIPE), accelerate_config=str(CPU_CONFIG), output_dir=str(root / "first"), **COMMON),
+        dict(recipe=str(TINY_LLAMA_RECIPE), accelerate_config=str(CPU_CONFIG), output_dir=str(root / "first"),
+             **COMMON),
         dict(recipe=str(TINY_LLAMA_RECIPE), accelerate_config=str(CPU_CONFIG), output_dir=str(root / "layout"),
              pack_blocks=True, sequence_parallel_size=4, **COMMON),
         dict(recipe=str(TINY_LLAMA_RECIPE), accelerate_config=str(CPU_CONFIG), output_dir=str(root / "data"),

@@ -1,4 +1,5 @@
-"""`sft_recipes.train()`: one recipe run from Python, in a process a notebook decorator or torch.multiprocessing started.
+"""`sft_recipes.train()`: one recipe run from Python, in a process a notebook decorator or torch.multiprocessing
+started.
 
     from sft_recipes import train
 

@@ -72,16 +72,17 @@ def check_injected_mlflow_run(training_args, experiment_name: str | None, is_mai
         run = client.get_run(run_id)
         experiment = client.get_experiment(run.info.experiment_id).name
     except MlflowException as err:
-        raise RecipeError(f"MLFLOW_RUN_ID={run_id} is not a run of the MLflow store {uri} ({err.message.splitlines()[0]}): "
-                          "unset MLFLOW_RUN_ID to start a new run, or set MLFLOW_TRACKING_URI to the store that holds "
-                          "it.") from None
+        raise RecipeError(f"MLFLOW_RUN_ID={run_id} is not a run of the MLflow store {uri} "
+                          f"({err.message.splitlines()[0]}): unset MLFLOW_RUN_ID to start a new run, or set "
+                          "MLFLOW_TRACKING_URI to the store that holds it.") from None
     if run.info.lifecycle_stage == "deleted":
         raise RecipeError(f"MLFLOW_RUN_ID={run_id} is a deleted run in {uri}: restore it, or unset MLFLOW_RUN_ID.")
     exported = os.environ.get("MLFLOW_EXPERIMENT_NAME")
     if exported and exported != experiment:
         raise RecipeError(f"MLFLOW_RUN_ID={run_id} is a run of experiment '{experiment}' but MLFLOW_EXPERIMENT_NAME is "
                           f"'{exported}', and MLflow logs a run only in its own experiment: unset "
-                          "MLFLOW_EXPERIMENT_NAME, or make it the run's (on AI Runtime: the workload's experiment_name).")
+                          "MLFLOW_EXPERIMENT_NAME, or make it the run's (on AI Runtime: the workload's "
+                          "experiment_name).")
     if is_main and experiment_name and experiment_name != experiment:
         logger.warning("MLflow: logging into MLFLOW_RUN_ID=%s of experiment '%s'; the recipe's mlflow_experiment_name "
                        "'%s' is not used (make the workload's experiment_name and the recipe's the same to silence "

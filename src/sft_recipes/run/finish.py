@@ -44,10 +44,11 @@ def earlier_result(run: Run) -> RunResult:
     except (OSError, ValueError):
         raise RecipeError(f"{run.finished} -- and {output_dir} holds no readable run_summary.json (the earlier run "
                           "stopped before its export): pass overwrite_output_dir=True to train again.") from None
-    return RunResult(output_dir=report["checkpoint"], losses={int(step): loss for step, loss in report["losses"].items()},
-                     eval_loss=report.get("eval_loss"), export_check=ExportCheck.from_logit_diff(
-                         report.get("export_max_logit_diff")), mlflow_run_id=report.get("mlflow_run_id") if run.is_main
-                     else None, summary=report if run.is_main else None)
+    losses = {int(step): loss for step, loss in report["losses"].items()}
+    return RunResult(output_dir=report["checkpoint"], losses=losses, eval_loss=report.get("eval_loss"),
+                     export_check=ExportCheck.from_logit_diff(report.get("export_max_logit_diff")),
+                     mlflow_run_id=report.get("mlflow_run_id") if run.is_main else None,
+                     summary=report if run.is_main else None)
 
 
 def finish(run: Run, training: Training) -> RunResult:
