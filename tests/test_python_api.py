@@ -16,14 +16,12 @@ from __future__ import annotations
 import os
 import signal
 import sqlite3
-import subprocess
 import time
 
 import pytest
 
-from conftest import (
-    CPU_CONFIG, REPO_ROOT, TINY_LLAMA_RECIPE, assert_resume_reproduces, bin_path, free_port, read_summary,
-)
+from conftest import CPU_CONFIG, TINY_LLAMA_RECIPE, assert_resume_reproduces, free_port, read_summary
+from fault_helpers import Run, complete, start_run, wait_for, worker_pid
 from in_process_worker import outcomes, run_in_processes
 
 pytestmark = pytest.mark.fsdp
@@ -62,15 +60,10 @@ def create_injected_run(store) -> str:
     return client.create_run(client.create_experiment(EXPERIMENT)).info.run_id
 
 
-def launch(output_dir, env: dict[str, str]) -> subprocess.Popen:
+def launch(output_dir, env: dict[str, str]) -> Run:
     """The workload's command on one node: `accelerate launch` of the recipe, slowed so a kill lands mid-run."""
-    cmd = [bin_path("accelerate"), "launch", "--config_file", str(CPU_CONFIG), "--main_process_port", str(free_port()),
-           str(REPO_ROOT / "tests" / "fault_injection.py"), str(TINY_LLAMA_RECIPE), "--max_steps", str(STEPS),
-           "--save_steps", str(SAVE_EVERY), "--sample_prompts", "[]", "--output_dir", str(output_dir)]
-    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-                "FAULT_SLOW_STEP_SECONDS": "0.5", **env}
-    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # its own process group: one kill takes every rank
+    return start_run("--max_steps", str(STEPS), "--save_steps", str(SAVE_EVERY), "--sample_prompts", "[]",
+                     "--output_dir", str(output_dir), env={"FAULT_SLOW_STEP_SECONDS": "0.5", **env})
 
 
 @pytest.fixture(scope="module")
@@ -81,18 +74,18 @@ def retried(tmp_path_factory):
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{store}", "MLFLOW_RUN_ID": run_id}
 
     first = launch(output_dir, env)
-    checkpoint = output_dir / f"checkpoint-{SAVE_EVERY}" / "trainer_state.json"
-    deadline = time.monotonic() + 300
-    while not checkpoint.is_file() and first.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    os.killpg(first.pid, signal.SIGKILL)  # preempted: no handler runs, nothing is flushed
-    first_output = first.communicate(timeout=60)[0]
-    assert checkpoint.is_file() and not (output_dir / "run_summary.json").exists(), first_output[-3000:]
+    wait_for(lambda: complete(output_dir / f"checkpoint-{SAVE_EVERY}"), first, f"checkpoint-{SAVE_EVERY}")
+    # Preempted: every worker SIGKILLed (torchrun starts them in sessions of their own), then the launcher.
+    workers = [worker_pid(first, rank) for rank in (0, 1)]
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    first.kill()
+    first.wait()
+    assert not (output_dir / "run_summary.json").exists(), first.output[-3000:]
 
     second = launch(output_dir, env)  # the runtime's retry: the same command, the same MLFLOW_RUN_ID
-    second_output = second.communicate(timeout=600)[0]
-    assert second.returncode == 0, second_output[-6000:]
-    return {"store": store, "output_dir": output_dir, "run_id": run_id, "first_code": first.returncode}
+    assert second.wait() == 0, second.output[-6000:]
+    return {"store": store, "output_dir": output_dir, "run_id": run_id, "killed": workers}
 
 
 def test_train_under_a_decorator_stand_in_runs_fsdp2_and_returns_the_result(in_process):
@@ -135,7 +128,7 @@ def test_nothing_is_left_behind_and_a_second_call_trains_the_same(in_process):
 
 
 def test_a_killed_run_retried_by_the_same_command_resumes_exactly(in_process, retried):
-    assert retried["first_code"] == -signal.SIGKILL
+    assert all(retried["killed"])
     resumed = read_summary(retried["output_dir"])
     checkpoint_step = int(resumed["resumed_from"].rsplit("-", 1)[1])
     assert checkpoint_step >= SAVE_EVERY
