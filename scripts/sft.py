@@ -5,8 +5,10 @@
     .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml scripts/sft.py recipes/tiny/llama8b.yaml \
         --max_steps 5 --output_dir outputs/try
 
-Any recipe key can be overridden with `--key value`. Every decision lives in `sft_recipes.run`;
-this file is the table of contents of a run. A refusal you can fix is one `error:` line, exit 2.
+Any recipe key can be overridden with `--key value` (and by a workload's `parameters:` block, named
+by HYPERPARAMETERS_PATH). Every decision lives in `sft_recipes.run`; this file is the table of
+contents of a run, and `sft_recipes.train()` runs the same steps from Python. A refusal you can fix
+is one `error:` line, exit 2.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from sft_recipes.config import load_recipe
 from sft_recipes.distributed import process_group_destroyed_on_exit
 from sft_recipes.errors import one_line_refusals
 from sft_recipes.plan import plan_dry_run
-from sft_recipes.run import audit_data, build_data, build_model, build_trainer, finish, start_run
+from sft_recipes.run import audit_data, complete_run, start_run
 from sft_recipes.workload import dry_run_as_the_workload
 
 
@@ -63,26 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     if run.finished:  # resumed at max_steps already: said so, nothing trained or written
         return 0
 
-    # ── Tokenizer ─────────────────────────────────────────────────────────────────────────────
-    tokenizer = run.source.load_tokenizer()
-    if cli.audit_data:
-        print(audit_data(run, tokenizer, cli.audit_data))
+    if cli.audit_data:  # the conversations as the model will see them, then stop
+        print(audit_data(run, run.source.load_tokenizer(), cli.audit_data))
         return 0
 
-    # ── Data ──────────────────────────────────────────────────────────────────────────────────
-    data = build_data(run, tokenizer)
-
-    # ── Model ─────────────────────────────────────────────────────────────────────────────────
-    model = build_model(run)
-
-    # ── Trainer ───────────────────────────────────────────────────────────────────────────────
-    training = build_trainer(run, data, model, tokenizer)
-
-    # ── Train ─────────────────────────────────────────────────────────────────────────────────
-    training.run()
-
-    # ── Finish ────────────────────────────────────────────────────────────────────────────────
-    finish(run, training)
+    # ── Tokenizer, data, model, trainer, train, finish (sft_recipes.run.complete_run) ─────────
+    complete_run(run)
     return 0
 
 

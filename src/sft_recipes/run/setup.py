@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -16,6 +17,7 @@ from sft_recipes.lint import LintContext, lint_recipe
 from sft_recipes.loading import ModelSource
 from sft_recipes.reporting.console import keep_train_log, open_train_log, quiet_other_ranks
 from sft_recipes.reporting.hub import HubPush, take_over_hub_push
+from sft_recipes.reporting.tracking import check_injected_mlflow_run
 from sft_recipes.run.sequence_parallel import SequenceParallel, start_sequence_parallel
 
 logger = logging.getLogger("sft")
@@ -76,6 +78,8 @@ def start_run(recipe: Recipe, read_only: bool = False) -> Run:
         open_train_log(recipe.training.output_dir)  # output_dir/train.log: rank 0's console, every rank's refusal
     source = ModelSource(recipe.model)
     lint_recipe(recipe, LintContext.from_environment(lambda: source.config))
+    check_injected_mlflow_run(recipe.training, recipe.model.mlflow_experiment_name,  # a run MLflow would refuse late
+                              is_main=os.environ.get("RANK", "0") == "0")
     training = recipe.training
     hub_push = take_over_hub_push(training)  # before the Trainer exists; a missing id or token refused now
     training.gradient_accumulation_steps, derivation = derive_gradient_accumulation(training, launched_world_size())
