@@ -5,6 +5,9 @@ Each dropped row is counted under the first reason that applies:
 - `invalid_json`: a line of a local .jsonl file that is not a JSON object. Local .jsonl files are
   read line by line (`sources.py`), so one bad line is counted instead of failing the whole file
   (the `datasets` json loader rejects the file, and also any file whose column changes type).
+- `not_utf8`: a line of a local .jsonl file that is not valid UTF-8 (e.g. `café` written in
+  Latin-1). Decoding it anyway would train on U+FFFD replacement characters; a file that is mostly
+  not UTF-8 is refused up front, naming the encoding it looks like (`sources.refuse_another_encoding`).
 - `missing_field`, `not_a_string`, `empty_content`: a required field (alpaca `instruction` /
   `output`, `text`, `messages`, a message's `role` / `content`) is absent or null, is not a
   string (not a list, for `messages`), or is blank. alpaca `input` may be empty or absent, and
@@ -21,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 INVALID_JSON = "invalid_json"
+NOT_UTF8 = "not_utf8"
 MISSING_FIELD = "missing_field"
 NOT_A_STRING = "not_a_string"
 EMPTY_CONTENT = "empty_content"
@@ -28,7 +32,7 @@ UNKNOWN_ROLE = "unknown_role"
 NO_ASSISTANT_TURN = "no_assistant_turn"
 OVERLONG = "overlong"
 NO_TRAINABLE_TOKENS = "no_trainable_tokens"
-ROW_DROP_REASONS = (INVALID_JSON, MISSING_FIELD, NOT_A_STRING, EMPTY_CONTENT, UNKNOWN_ROLE, NO_ASSISTANT_TURN, OVERLONG,
+ROW_DROP_REASONS = (INVALID_JSON, NOT_UTF8, MISSING_FIELD, NOT_A_STRING, EMPTY_CONTENT, UNKNOWN_ROLE, NO_ASSISTANT_TURN, OVERLONG,
                     NO_TRAINABLE_TOKENS)
 
 # A streamed dataset read for a packed block stream keeps its bad rows, each flagged with its drop
