@@ -246,3 +246,36 @@ def test_a_file_that_is_mostly_not_utf8_is_refused_naming_its_encoding(tmp_path)
     utf16.write_bytes(('{"instruction": "Say hi.", "output": "Hi."}\n' * 3).encode("utf-16"))
     with pytest.raises(RecipeError, match="it looks like UTF-16. Convert it to UTF-8, e.g. `iconv -f UTF-16 "):
         load_checked_dataset(data_args(utf16))
+
+
+# ── A dataset path that is a folder ─────────────────────────────────────────────────────────────
+
+def test_a_folder_without_data_files_is_refused_saying_what_it_holds(tmp_path):
+    empty = tmp_path / "data.jsonl"  # `mkdir data.jsonl`: a folder named like a file
+    empty.mkdir()
+    with pytest.raises(RecipeError) as error:
+        load_checked_dataset(data_args(empty))
+    assert str(error.value) == (
+        f"{empty} (dataset_name) is a folder with no data file: it is empty. Point dataset_name at a data file (e.g. "
+        "train.jsonl), or put the rows in .json/.jsonl/.ndjson/.parquet/.csv/.tsv/.arrow files in that folder.")
+    (empty / "notes.txt").write_text("to do\n")
+    with pytest.raises(RecipeError, match=r"data.jsonl \(dataset_name\) is a folder with no data file: it holds notes.txt\. "):
+        load_checked_dataset(data_args(empty))
+
+
+def test_a_folder_of_data_files_with_a_stray_file_is_refused_naming_it(tmp_path):
+    folder = tmp_path / "chat"
+    (folder / "part").mkdir(parents=True)
+    rows = '{"instruction": "Say hi.", "output": "Hi."}\n' * 3
+    (folder / "part" / "train.jsonl").write_text(rows)
+    (folder / "README.md").write_text("# my data\n")  # a dataset card is not rows
+    (folder / ".notes.swp").write_text("x")  # nor are hidden files
+    dataset, report = load_checked_dataset(data_args(folder))
+    assert (len(dataset), report.rows) == (3, 3)
+    (folder / "notes.txt").write_text("to do\n")
+    with pytest.raises(RecipeError) as error:
+        load_checked_dataset(data_args(folder))
+    assert str(error.value) == (
+        f"{folder} (dataset_name) is a folder of 1 data file(s) (part/train.jsonl) and notes.txt, which are not rows "
+        "(.json/.jsonl/.ndjson/.parquet/.csv/.tsv/.arrow): move them out of the folder, or point dataset_name at the "
+        "data file itself.")

@@ -48,6 +48,8 @@ def load_raw_dataset(data_args) -> Dataset | IterableDataset:
             raise RecipeError(f"Cannot read {path}: use one of {sorted(LOCAL_BUILDERS)}.")
         dataset = load_dataset(builder, data_files={split: str(path)}, split=split, streaming=data_args.dataset_streaming)
     elif path.is_dir():
+        if not getattr(data_args, "dataset_data_files", None):  # data_files chooses the files itself
+            refuse_directory_without_data(path / (getattr(data_args, "dataset_data_dir", None) or ""))
         dataset = load_dataset(str(path), split=split, streaming=data_args.dataset_streaming,
                                data_dir=getattr(data_args, "dataset_data_dir", None),
                                data_files=getattr(data_args, "dataset_data_files", None))
@@ -86,6 +88,48 @@ class JsonlLine:
     row: dict[str, Any] | None  # None: the line is not a JSON object (`problem` says why)
     text: str  # the line; bytes that are not UTF-8 as \xNN escapes
     problem: str | None  # INVALID_JSON, NOT_UTF8 or None
+
+
+# Row files `datasets` reads from a local folder (optionally compressed); README.md and hidden files are not rows.
+FOLDER_DATA_SUFFIXES = (".json", ".jsonl", ".ndjson", ".parquet", ".csv", ".tsv", ".arrow")
+COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+NOT_ROWS = ("README.md",)
+
+
+def _data_suffix(file: Path) -> str:
+    suffixes = file.suffixes
+    if suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
+        suffixes = suffixes[:-1]
+    return suffixes[-1] if suffixes else ""
+
+
+def refuse_directory_without_data(path: Path, key: str = "dataset_name") -> None:
+    """RecipeError unless the folder `path` holds row files only (FOLDER_DATA_SUFFIXES), at least one.
+
+    `datasets` fails an empty folder with its own EmptyDatasetError traceback, and reads a stray
+    file (notes.txt) as rows of another builder, which then lack the format's columns.
+    """
+    if not path.is_dir():
+        raise RecipeError(f"{path} ({key}) is not a folder inside the dataset folder: check dataset_data_dir.")
+    files = sorted(file.relative_to(path) for file in path.rglob("*")
+                   if file.is_file() and not any(part.startswith(".") for part in file.relative_to(path).parts)
+                   and file.name not in NOT_ROWS)
+    data = [file for file in files if _data_suffix(file) in FOLDER_DATA_SUFFIXES]
+    stray = [str(file) for file in files if file not in data]
+    kinds = "/".join(FOLDER_DATA_SUFFIXES)
+    if not data:
+        found = f"it holds {_listed(stray)}" if stray else "it is empty"
+        raise RecipeError(f"{path} ({key}) is a folder with no data file: {found}. Point {key} at a data file "
+                          f"(e.g. train.jsonl), or put the rows in {kinds} files in that folder.")
+    if stray:
+        raise RecipeError(f"{path} ({key}) is a folder of {len(data)} data file(s) ({_listed([str(f) for f in data])}) "
+                          f"and {_listed(stray)}, which are not rows ({kinds}): move them out of the folder, or "
+                          f"point {key} at the data file itself.")
+
+
+def _listed(names: list[str], shown: int = 5) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def read_jsonl(path: Path) -> Iterator[JsonlLine]:
