@@ -279,3 +279,22 @@ def test_a_folder_of_data_files_with_a_stray_file_is_refused_naming_it(tmp_path)
         f"{folder} (dataset_name) is a folder of 1 data file(s) (part/train.jsonl) and notes.txt, which are not rows "
         "(.json/.jsonl/.ndjson/.parquet/.csv/.tsv/.arrow): move them out of the folder, or point dataset_name at the "
         "data file itself.")
+
+
+# ── Empty replies: one rule, the masking's, for rows and masks alike ───────────────────────────
+
+def test_an_empty_reply_is_kept_by_the_row_rules_and_trains_its_end_of_turn(tokenizer, tmp_path):
+    hi, empty = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}
+    question, answer = {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}
+    rows = [{"messages": [hi, empty, question, answer]}, {"messages": [hi, empty]},
+            {"messages": [{"role": "user", "content": ""}, answer]}]  # an empty question is still a broken row
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    dataset, report = load_checked_dataset(data_args(path, "messages"))
+    assert dict(report.dropped) == {"empty_content": 1} and dataset["messages"] == [rows[0]["messages"],
+                                                                                  rows[1]["messages"]]
+    prepared = FORMATS["messages"].prepare(dataset, tokenizer, Tokenization(max_length=256), report)
+    assert dict(report.dropped) == {"empty_content": 1, "empty_assistant_turns": 1}  # every reply empty: nothing to learn
+    (ids,), (mask,) = prepared["input_ids"], prepared["assistant_masks"]
+    supervised = tokenizer.decode([token for token, keep in zip(ids, mask) if keep])
+    assert supervised == "<|eot_id|>A<|eot_id|>"  # the empty reply's end of turn, then the answer
