@@ -3,7 +3,9 @@
 Every check of user input (the recipe, its data, its output_dir, the launcher's setup) raises
 `RecipeError` with a message that names the problem and the fix. `one_line_refusals` turns it into
 that one line, printed once (by the process of rank 0, or by the only process), and exit status 2
-on every rank: the ranks of a distributed run meet the same refusal, so none is left waiting.
+on every rank: the ranks of a distributed run meet the same refusal, so none is left waiting, and
+each waits for the others before it exits, so the launcher stops none of them first
+(`sft_recipes.refusal_exit`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+
+from sft_recipes.refusal_exit import exit_code_on_sigterm, wait_for_every_rank_to_refuse
 
 REFUSED_EXIT_CODE = 2
 
@@ -24,7 +28,9 @@ def one_line_refusals(main: Callable[[], int]) -> int:
     try:
         return main()
     except RecipeError as err:
+        exit_code_on_sigterm(REFUSED_EXIT_CODE)
         if int(os.environ.get("RANK", "0")) == 0:
             # On a line of its own, even after a progress bar that ended with a carriage return and no newline.
             print(f"\nerror: {err}", file=sys.stderr, flush=True)
+        wait_for_every_rank_to_refuse()
         return REFUSED_EXIT_CODE
