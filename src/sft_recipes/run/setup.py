@@ -11,6 +11,7 @@ from sft_recipes.config import Recipe
 from sft_recipes.data.formats import FORMATS, DatasetFormat, Tokenization
 from sft_recipes.distributed import enable_cpu_fsdp, launched_world_size
 from sft_recipes.fault.collective_timeout import bound_collective_waits
+from sft_recipes.fault.output_disk import refuse_unwritable_output_dir
 from sft_recipes.fault.resume import protect_output_dir, resolve_resume_checkpoint
 from sft_recipes.lint import LintContext, lint_recipe
 from sft_recipes.loading import ModelSource
@@ -73,6 +74,7 @@ def start_run(recipe: Recipe) -> Run:
     training.gradient_accumulation_steps, derivation = derive_gradient_accumulation(training, launched_world_size())
     enable_cpu_fsdp()  # before the Trainer creates its Accelerator: FSDP2 on CPU too
     bound_collective_waits(training)  # a dead or hung rank fails the others within ddp_timeout
+    refuse_unwritable_output_dir(training.output_dir)  # before any data or model work
     protect_output_dir(recipe, training)  # never mix two recipes' checkpoints
     resume_from = resolve_resume_checkpoint(training)  # refuses a layout the checkpoint cannot continue on
     with training.main_process_first(local=False, desc="model files"):
