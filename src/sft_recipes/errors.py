@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from sft_recipes.refusal_exit import exit_code_on_sigterm, wait_for_every_rank_to_refuse
+from sft_recipes.refusal_exit import refusing_together
 
 REFUSED_EXIT_CODE = 2
 
@@ -28,9 +28,8 @@ def one_line_refusals(main: Callable[[], int]) -> int:
     try:
         return main()
     except RecipeError as err:
-        exit_code_on_sigterm(REFUSED_EXIT_CODE)
-        if int(os.environ.get("RANK", "0")) == 0:
-            # On a line of its own, even after a progress bar that ended with a carriage return and no newline.
-            print(f"\nerror: {err}", file=sys.stderr, flush=True)
-        wait_for_every_rank_to_refuse()
+        with refusing_together(REFUSED_EXIT_CODE):  # no rank is stopped by the launcher before it exits 2
+            if int(os.environ.get("RANK", "0")) == 0:
+                # On a line of its own, even after a progress bar that ended with a carriage return and no newline.
+                print(f"\nerror: {err}", file=sys.stderr, flush=True)
         return REFUSED_EXIT_CODE

@@ -10,7 +10,10 @@ same instant: a rank still finding it, or already past it but still tearing down
   - handles SIGTERM from the moment it refuses: it exits 2, as it was about to;
   - waits, a bounded time, until every rank of the launch has refused too, counted in the agent's
     store (the TCPStore at MASTER_ADDR:MASTER_PORT that torchrun serves to its workers), so no rank
-    exits while another is still on its way to the same refusal.
+    exits while another is still on its way to the same refusal;
+  - then ignores SIGTERM while it exits: at interpreter finalization Python resets signals that
+    have Python handlers to the default action, so a SIGTERM during the teardown (the -15 that
+    remained with the two steps above) killed it anyway; an ignored signal is left ignored.
 
 A rank that never refuses (it failed otherwise, or waits in a collective for this one) costs the
 refusing ranks at most `WAIT_SECONDS`; the launcher then stops it as before.
@@ -18,29 +21,44 @@ refusing ranks at most `WAIT_SECONDS`; the launcher then stops it as before.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 WAIT_SECONDS = 60.0
 REFUSALS_KEY = "sft_recipes/refusing_ranks"
 
 
-def exit_code_on_sigterm(code: int) -> None:
-    """From now on, a SIGTERM ends this process with `code` at once (the refusal is already printed)."""
-    if threading.current_thread() is threading.main_thread():  # the only thread that may set handlers
-        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(code))
+@contextlib.contextmanager
+def refusing_together(exit_code: int) -> Iterator[None]:
+    """Around printing a refusal: on a rank of a launched run, SIGTERM exits `exit_code` from now on, and the
+    rank leaves once every rank has refused (or after WAIT_SECONDS). One process: nothing changes."""
+    if not _launched():
+        yield
+        return
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(exit_code))
+    yield
+    wait_for_every_rank_to_refuse()
+    # Python puts the default action back for signals it handles when the interpreter finalizes, and tearing
+    # down torch takes seconds under load: a SIGTERM then would still be a -15. An ignored signal stays ignored.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _launched() -> bool:
+    """A rank of a multi-process launch whose launcher serves the store and outlives the ranks (torchrun's agent)."""
+    return (int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and threading.current_thread() is threading.main_thread())  # the only thread that may set handlers
 
 
 def wait_for_every_rank_to_refuse(wait_seconds: float = WAIT_SECONDS) -> None:
     """Count this rank as refusing in the launcher's store; return once every rank is, or after `wait_seconds`."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return  # one process, or no store served by a launcher that outlives the ranks
     import torch.distributed as dist  # here: a refusal at parse time has not needed torch.distributed yet
 
+    world_size = int(os.environ["WORLD_SIZE"])
     deadline = time.monotonic() + wait_seconds
     try:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
