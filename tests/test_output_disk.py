@@ -11,6 +11,7 @@ import re
 import subprocess
 
 import pytest
+from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
 from conftest import TINY_LLAMA_RECIPE, bin_path, launch_sft, run_command
 from sft_recipes.errors import RecipeError
@@ -106,9 +107,11 @@ def test_a_full_disk_is_recognised_through_what_wraps_it():
     wrapped = RuntimeError("save failed")
     wrapped.__cause__ = OSError(28, "No space left on device")
     assert disk_full(wrapped)
-    dcp_like = RuntimeError("CheckpointException ranks:dict_keys([1])")
-    dcp_like.failures = {1: OSError(28, "No space left on device")}
-    assert disk_full(dcp_like)
+    try:
+        raise OSError(28, "No space left on device")
+    except OSError as error:
+        dcp = CheckpointException("write", {1: _wrap_exception(error)})  # what every rank of a DCP save raises
+    assert disk_full(dcp) and not isinstance(dcp, Exception)  # a BaseException: `except Exception` misses it
     assert not disk_full(OSError(13, "Permission denied")) and not disk_full(ValueError("shape mismatch"))
 
 
@@ -122,7 +125,7 @@ def test_a_disk_that_fills_during_a_save_ends_in_one_line_and_exit_2_on_every_ra
     assert len(errors) == 1, result.stderr[-4000:]
     assert re.fullmatch(
         rf"error: The disk filled while saving checkpoint-1: the disk mounted at {re.escape(str(small_disk))} \(output_dir "
-        rf"{re.escape(str(output_dir))}\) has 0\.\d MiB free, 0\.\d MiB of it were written before the disk filled\. "
+        rf"{re.escape(str(output_dir))}\) has \d+\.\d MiB free, \d+\.\d MiB of it were written before the disk filled\. "
         r"Free space there \(or lower save_total_limit\) and resume: the half-written checkpoint-1 is set aside at the "
         r"next start\.", errors[0]), errors[0]
     assert re.findall(r"exitcode  : (-?\d+)", result.stderr) == ["2", "2"]

@@ -120,8 +120,8 @@ def saved_or_refused(save: Callable[[], None], checkpoint_dir: Path, timeout_sec
     failed = None
     try:
         save()
-    except Exception as error:  # noqa: BLE001 - a full disk is sorted from the rest just below
-        if not disk_full(error):
+    except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if isinstance(error, (KeyboardInterrupt, SystemExit)) or not disk_full(error):
             raise
         failed = error
     if not agree_max(int(failed is not None), timeout_seconds):
