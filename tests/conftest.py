@@ -79,12 +79,13 @@ def realworld() -> Path:
 def write_uneven_shards(path: Path, rows: int, readers_per_rank: int = 1) -> Path:
     """Conversations that rank 0 of 2 reads are ~40x longer than rank 1's.
 
-    Readers split a one-file stream row by row: reader `rank * readers_per_rank + worker` of
-    `2 * readers_per_rank` reads rows i with i % (2 * readers_per_rank) equal to its number.
+    Readers split a one-file stream row by row: reader `worker * 2 + rank` of `2 * readers_per_rank`
+    (`data.blocks.reader_index`) reads rows i with i % (2 * readers_per_rank) equal to its number, so
+    rank 0's readers read the even rows.
     """
     with open(path, "w") as f:
         for i in range(rows):
-            answer = " ".join(["long answer words"] * 40) if i % (2 * readers_per_rank) < readers_per_rank else "short"
+            answer = " ".join(["long answer words"] * 40) if i % 2 == 0 else "short"
             f.write(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
                                              {"role": "assistant", "content": answer}]}) + "\n")
     return path

@@ -51,15 +51,18 @@ def test_a_missing_dataset_is_one_line(tmp_path):
 
 
 @pytest.mark.fsdp
-def test_under_accelerate_launch_one_rank_prints_and_every_rank_exits_2(tmp_path):
-    result = launch_sft(TINY_LLAMA_RECIPE, "--dataset_name", "data/samples/nope.jsonl",
-                        "--output_dir", str(tmp_path / "out"), check=False)
+@pytest.mark.parametrize("override, first_words", [
+    (("--dataset_name", "data/samples/nope.jsonl"), "error: Dataset file not found: data/samples/nope.jsonl"),
+    (("--max_stepz", "3"), "error: "),  # a typo: refused at parse, the earliest point
+])
+def test_under_accelerate_launch_one_rank_prints_and_every_rank_exits_2(tmp_path, override, first_words):
+    result = launch_sft(TINY_LLAMA_RECIPE, *override, "--output_dir", str(tmp_path / "out"), check=False)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: Dataset file not found: data/samples/nope.jsonl")
-    # torchrun's report: every rank refused (2) or was stopped by torchrun once the first one had (SIGTERM)
+    assert len(errors) == 1 and errors[0].startswith(first_words), errors
+    # torchrun's report: every rank refused, none was stopped by torchrun (SIGTERM, -15) once the first one had
     codes = re.findall(r"exitcode  : (-?\d+)", result.stderr)
-    assert "2" in codes and set(codes) <= {"2", "-15"}, codes
+    assert codes == ["2", "2"], codes
     assert not _own_traceback(result.stderr)
     # below torchrun's report, train.log has rank 0's console and every rank that refused before torchrun stopped it
     log = (tmp_path / "out" / "train.log").read_text().splitlines()

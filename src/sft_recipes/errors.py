@@ -4,9 +4,10 @@ Every check of user input (the recipe, its data, its output_dir, the launcher's 
 `RecipeError` with a message that names the problem and ends with the fix. `one_line_refusals` turns
 it into that one line, printed once (by the process of rank 0, or by the only process), and exit
 status 2 on every rank: the ranks of a distributed run meet the same refusal, so none is left
-waiting. Every rank's line also goes to the run's train.log once the run has one (`on_refusal`,
-`reporting.console.open_train_log`): torchrun's ChildFailedError report comes after ours, so the
-log (or the first `error:` line of the console) is where a refusal made inside the run is read.
+waiting, and each waits for the others before it exits, so the launcher stops none of them first
+(`sft_recipes.refusal_exit`). Every rank's line also goes to the run's train.log once the run has one
+(`on_refusal`, `reporting.console.open_train_log`): torchrun's ChildFailedError report comes after
+ours, so the log (or the first `error:` line of the console) is where a refusal made inside the run is read.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+
+from sft_recipes.refusal_exit import refusing_together
 
 REFUSED_EXIT_CODE = 2
 _REFUSAL_HOOKS: list[Callable[[str], None]] = []  # e.g. train.log's: called with the `error:` line once printed
@@ -36,9 +39,10 @@ def one_line_refusals(main: Callable[[], int]) -> int:
     try:
         return main()
     except RecipeError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            # On a line of its own, even after a progress bar that ended with a carriage return and no newline.
-            print(f"\nerror: {err}", file=sys.stderr, flush=True)
-        for hook in _REFUSAL_HOOKS:
-            hook(f"error: {err}")
+        with refusing_together(REFUSED_EXIT_CODE):  # no rank is stopped by the launcher before it exits 2
+            if int(os.environ.get("RANK", "0")) == 0:
+                # On a line of its own, even after a progress bar that ended with a carriage return and no newline.
+                print(f"\nerror: {err}", file=sys.stderr, flush=True)
+            for hook in _REFUSAL_HOOKS:
+                hook(f"error: {err}")
         return REFUSED_EXIT_CODE

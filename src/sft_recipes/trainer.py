@@ -19,6 +19,7 @@ from sft_recipes.data.blocks import IGNORE_INDEX, RankLocalBlockStream, StopWhen
 from sft_recipes.data.sequence_shards import shard_block
 from sft_recipes.evaluation import TokenWeightedEvalMixin
 from sft_recipes.export import export_adapter
+from sft_recipes.fault.output_disk import check_room_before_save, saved_or_refused
 from sft_recipes.fault.uneven_shards import EndOfDataTogetherMixin
 from sft_recipes.fault.world_size import whole_global_batches
 from sft_recipes.metrics import ThroughputMeter, real_tokens_and_attention_length
@@ -167,7 +168,10 @@ class RecipeSFTTrainer(TokenWeightedEvalMixin, EndOfDataTogetherMixin, SFTTraine
         return every_rank / self.sequence_parallel.sp_size  # each block was counted by each rank of its group
 
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
+        checkpoint = Path(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        # A disk without room for it is refused before the save, one that fills during it in one line, on every rank.
+        check_room_before_save(self.args.output_dir, self.state.global_step, self.args.ddp_timeout)
+        saved_or_refused(lambda: super(RecipeSFTTrainer, self)._save_checkpoint(model, trial), checkpoint,
+                         self.args.ddp_timeout)
         if self.adapter_checkpoints:  # collective, like the save itself
-            checkpoint = Path(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             export_adapter(self, checkpoint / "adapter")

@@ -19,7 +19,10 @@ Random streams (dropout) are per rank (`rng_state_<rank>.pth`) and do not map on
 Packed block streams: each (rank, dataloader worker) reader streams its own shard, and a resume
 skips, per reader, what that reader had read. Another number of readers cuts other shards, so a
 resume is refused unless ranks x max(1, dataloader_num_workers) is unchanged; layouts with the
-same reader count (2 ranks x 2 workers, 4 ranks x 1 worker) resume exactly.
+same reader count (1 x 4, 2 x 2, 4 x 1) resume exactly because readers are numbered so that every
+step takes the same blocks of the same readers on each of them (`data.blocks.reader_index`;
+numbered `rank x workers + worker`, 2 x 2 and 1 x 4 read the readers in another order whenever a
+step took fewer blocks than there are readers).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from sft_recipes.config import Recipe
 from sft_recipes.data.formats import FORMATS, DatasetFormat, Tokenization
 from sft_recipes.distributed import enable_cpu_fsdp, launched_world_size
 from sft_recipes.fault.collective_timeout import bound_collective_waits
+from sft_recipes.fault.output_disk import refuse_unwritable_output_dir
 from sft_recipes.fault.resume import nothing_left_to_train, protect_output_dir, resolve_resume_checkpoint
 from sft_recipes.lint import LintContext, lint_recipe
 from sft_recipes.loading import ModelSource
@@ -87,6 +88,7 @@ def start_run(recipe: Recipe, read_only: bool = False) -> Run:
     bound_collective_waits(training)  # a dead or hung rank fails the others within ddp_timeout
     resume_from = None
     if not read_only:
+        refuse_unwritable_output_dir(training.output_dir)  # before any data or model work
         protect_output_dir(recipe, training)  # never mix two recipes' checkpoints
         resume_from = resolve_resume_checkpoint(training)  # refuses a layout the checkpoint cannot continue on
         finished = nothing_left_to_train(resume_from, training)
