@@ -66,6 +66,7 @@ from transformers import PretrainedConfig
 
 from sft_recipes.batching import derive_gradient_accumulation
 from sft_recipes.errors import RecipeError
+from sft_recipes.hsdp import parallelism_environment
 from sft_recipes.loading import DTYPES, read_model_config
 from sft_recipes.model_math import (
     GPU_BY_NAME, GPUS, ParamCounts, attention_flops_per_token, count_parameters, flops_per_token, head_dim,
@@ -725,6 +726,7 @@ def export_launch_environment(accelerate_config: dict) -> None:
             os.environ[env] = str(fsdp[key]).lower()
     if "mixed_precision" in accelerate_config:
         os.environ["ACCELERATE_MIXED_PRECISION"] = str(accelerate_config["mixed_precision"]).lower()
+    os.environ.update(parallelism_environment(accelerate_config))  # HSDP's replicate x shard sizes
 
 
 def planned_world_size(accelerate_config: dict | None, world_size: int | None) -> int:

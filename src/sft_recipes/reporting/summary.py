@@ -15,6 +15,7 @@ class RunSummaryCallback(TrainerCallback):
     def __init__(self, tracking_uri: str | None = None) -> None:
         self.tracking_uri = tracking_uri  # MLflow's, when the run reports there
         self.losses: dict[int, float] = {}
+        self.grad_norms: dict[int, float] = {}  # the norm clipped against: over the whole mesh
         self.first_step: int | None = None
         self.last_step = 0
         self._step_started = 0.0
@@ -51,6 +52,8 @@ class RunSummaryCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses[state.global_step] = float(logs["loss"])
+        if logs and "grad_norm" in logs:
+            self.grad_norms[state.global_step] = float(logs["grad_norm"])
         if logs and "eval_loss" in logs:
             self.eval_losses[state.global_step] = float(logs["eval_loss"])
         for key in ("packing_efficiency", "tokens_per_second_per_device", "mfu", "peak_memory_gib"):
@@ -71,6 +74,7 @@ class RunSummaryCallback(TrainerCallback):
             "seconds_per_step": round(sum(self.step_seconds) / steps_run, 4) if steps_run else None,
             "final_loss": self.losses[max(self.losses)] if self.losses else None,
             "losses": {str(step): loss for step, loss in sorted(self.losses.items())},
+            "grad_norms": {str(step): norm for step, norm in sorted(self.grad_norms.items())},
             "eval_loss": self.eval_losses[max(self.eval_losses)] if self.eval_losses else None,
             "eval_losses": {str(step): loss for step, loss in sorted(self.eval_losses.items())},
             "packing_efficiency": self.last_metrics.get("packing_efficiency"),

@@ -12,6 +12,7 @@ from sft_recipes.data.formats import FORMATS, DatasetFormat, Tokenization
 from sft_recipes.distributed import enable_cpu_fsdp, launched_world_size
 from sft_recipes.fault.collective_timeout import bound_collective_waits
 from sft_recipes.fault.resume import protect_output_dir, resolve_resume_checkpoint
+from sft_recipes.hsdp import launched_mesh
 from sft_recipes.lint import LintContext, lint_recipe
 from sft_recipes.loading import ModelSource
 from sft_recipes.reporting.hub import HubPush, take_over_hub_push
@@ -80,5 +81,6 @@ def start_run(recipe: Recipe) -> Run:
     run = Run(recipe=recipe, source=source, batch_derivation=derivation, resume_from=resume_from, hub_push=hub_push,
               sequence_parallel=start_sequence_parallel(recipe))  # the process group exists by now
     if run.is_main:
-        logger.info("recipe %s -> output_dir %s; %s", recipe.source, training.output_dir, derivation)
+        logger.info("recipe %s -> output_dir %s; %s; %s", recipe.source, training.output_dir, derivation,
+                    launched_mesh(training.world_size).describe())
     return run
