@@ -79,10 +79,10 @@ class DataParallelMesh:
         return divmod(rank, self.shard)
 
     def describe(self) -> str:
+        processes = f"{self.world_size} process{'es' if self.world_size > 1 else ''}"
         if self.is_hybrid:
-            return (f"HSDP {self.replicate} replicas x {self.shard} shards (dp_replicate x dp_shard) over "
-                    f"{self.world_size} processes")
-        return f"FSDP 1 x {self.shard} (flat) over {self.world_size} processes"
+            return f"HSDP {self.replicate} replicas x {self.shard} shards (dp_replicate x dp_shard) over {processes}"
+        return f"FSDP 1 x {self.shard} (flat) over {processes}"
 
 
 def launched_mesh(world_size: int) -> DataParallelMesh:
