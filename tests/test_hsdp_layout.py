@@ -11,7 +11,8 @@ from accelerate.commands.config.config_args import ClusterConfig
 
 from conftest import REALWORLD, REPO_ROOT, bin_path, run_command
 from sft_recipes.config import RecipeError, load_recipe
-from sft_recipes.hsdp import DataParallelMesh, launched_mesh, model_mesh_problem, parallelism_environment
+from sft_recipes.hsdp import DataParallelMesh, launched_mesh, model_mesh_problem
+from sft_recipes.launch import AccelerateConfig, read_accelerate_config
 from sft_recipes.lint import LintContext, lint_recipe
 
 CONFIGS = REPO_ROOT / "accelerate_configs"
@@ -29,8 +30,9 @@ def no_launch_environment(monkeypatch):
 
 def launched_with(monkeypatch, **sizes):
     """The environment `accelerate launch` makes from a config whose parallelism_config has `sizes`."""
-    config = {"parallelism_config": {f"parallelism_config_{name}_size": size for name, size in sizes.items()}}
-    for key, value in parallelism_environment(config).items():
+    config = AccelerateConfig({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}, "parallelism_config": {
+        f"parallelism_config_{name}_size": size for name, size in sizes.items()}})
+    for key, value in config.launch_environment().items():
         monkeypatch.setenv(key, value)
 
 
@@ -42,7 +44,8 @@ def test_shipped_hsdp_configs_make_a_mesh_of_every_process(name, machines, proce
                                          "parallelism_config_dp_shard_size": shards}
     assert shards == processes // machines or machines == 1
     # ...and the environment `accelerate launch` exports for it, read back as the run reads it.
-    for key, value in parallelism_environment(yaml.safe_load((CONFIGS / name).read_text())).items():
+    assert read_accelerate_config(CONFIGS / name).problems() == []
+    for key, value in read_accelerate_config(CONFIGS / name).launch_environment().items():
         monkeypatch.setenv(key, value)
     assert launched_mesh(processes) == DataParallelMesh(replicas, shards)
     header = (CONFIGS / name).read_text().split("\ncompute_environment")[0]
@@ -50,11 +53,10 @@ def test_shipped_hsdp_configs_make_a_mesh_of_every_process(name, machines, proce
 
 
 def test_a_config_without_parallelism_config_is_flat_fsdp():
-    assert parallelism_environment(yaml.safe_load((CONFIGS / "fsdp2_2node.yaml").read_text())) == {}
+    assert "ACCELERATE_USE_PARALLELISM_CONFIG" not in read_accelerate_config(CONFIGS / "fsdp2_2node.yaml").launch_environment()
     assert launched_mesh(16) == DataParallelMesh(1, 16)
     assert launched_mesh(16).describe() == "FSDP 1 x 16 (flat) over 16 processes"
     assert DataParallelMesh(2, 8).describe() == "HSDP 2 replicas x 8 shards (dp_replicate x dp_shard) over 16 processes"
-    assert [DataParallelMesh(2, 8).coordinates(rank) for rank in (0, 7, 8, 15)] == [(0, 0), (0, 7), (1, 0), (1, 7)]
 
 
 def recipe(tmp_path, **changes):

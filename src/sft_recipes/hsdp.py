@@ -24,38 +24,17 @@ recipes), replicate > 1 with shard 1 (plain DDP, which accelerate rejects for FS
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 from transformers import TrainerCallback
 
 from sft_recipes.errors import RecipeError
+from sft_recipes.launch import PARALLELISM_DIMENSIONS, launched_parallelism
 
 logger = logging.getLogger("sft")
 
-_ENV = "PARALLELISM_CONFIG_{}_SIZE"
-# The sizes accelerate's ParallelismConfig reads from the environment, by the config key that sets each.
-_SIZES = {"dp_replicate": "parallelism_config_dp_replicate_size", "dp_shard": "parallelism_config_dp_shard_size",
-          "tp": "parallelism_config_tp_size", "cp": "parallelism_config_cp_size", "sp": "parallelism_config_sp_size"}
-
-
-def launched_parallelism() -> dict[str, int] | None:
-    """The `parallelism_config` sizes `accelerate launch` exported ({'dp_replicate': 2, 'dp_shard': 8, ...}),
-    None when the launch has none (flat FSDP over every process)."""
-    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
-        return None
-    return {name: int(os.environ.get(_ENV.format(name.upper()), "1")) for name in _SIZES}
-
-
-def parallelism_environment(accelerate_config: dict) -> dict[str, str]:
-    """What `accelerate launch --config_file` exports for the config's `parallelism_config` (nothing without one)."""
-    sizes = accelerate_config.get("parallelism_config") or {}
-    if not sizes:
-        return {}
-    env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true"}
-    for name, key in _SIZES.items():
-        env[_ENV.format(name.upper())] = str(int(sizes.get(key, 1)))
-    return env
+# The accelerate config key that sets each parallelism size (what a refusal names).
+_KEYS = {name: f"parallelism_config_{name}_size" for name in PARALLELISM_DIMENSIONS}
 
 
 @dataclass(frozen=True)
@@ -73,11 +52,6 @@ class DataParallelMesh:
     def is_hybrid(self) -> bool:
         return self.replicate > 1
 
-    def coordinates(self, rank: int) -> tuple[int, int]:
-        """(replica, shard) of `rank`: accelerate's mesh is row-major, so a replica is `shard` consecutive ranks
-        (one node when shard = processes per node)."""
-        return divmod(rank, self.shard)
-
     def describe(self) -> str:
         processes = f"{self.world_size} process{'es' if self.world_size > 1 else ''}"
         if self.is_hybrid:
@@ -90,7 +64,7 @@ def launched_mesh(world_size: int) -> DataParallelMesh:
     sizes = launched_parallelism()
     if sizes is None:
         return DataParallelMesh(1, world_size)
-    return DataParallelMesh(sizes["dp_replicate"], sizes["dp_shard"])
+    return DataParallelMesh(sizes.dp_replicate, sizes.dp_shard)
 
 
 def parallelism_problems(world_size: int, sequence_parallel_size: int) -> list[str]:
@@ -99,23 +73,22 @@ def parallelism_problems(world_size: int, sequence_parallel_size: int) -> list[s
     if sizes is None:
         return []
     problems = []
-    others = {name: size for name, size in sizes.items() if name in ("tp", "cp", "sp") and size > 1}
+    others = {name: getattr(sizes, name) for name in ("tp", "cp", "sp") if getattr(sizes, name) > 1}
     if others:
-        given = ", ".join(f"{_SIZES[name]}: {size}" for name, size in others.items())
+        given = ", ".join(f"{_KEYS[name]}: {size}" for name, size in others.items())
         problems.append(f"the accelerate config's parallelism_config sets {given}: tensor, context and DeepSpeed "
                         "sequence parallelism are not run by these recipes; set them to 1 (long sequences: the "
                         "recipe's sequence_parallel_size with flat FSDP)")
-    replicate, shard = sizes["dp_replicate"], sizes["dp_shard"]
-    product = replicate * shard * sizes["tp"] * sizes["cp"] * sizes["sp"]
-    if product != world_size:
+    replicate, shard = sizes.dp_replicate, sizes.dp_shard
+    if sizes.total != world_size:
         factors = f"dp_replicate {replicate} x dp_shard {shard}" + "".join(
-            f" x {name} {sizes[name]}" for name in ("tp", "cp", "sp") if sizes[name] > 1)
+            f" x {name} {size}" for name, size in others.items())
         fits = [f"{r} x {world_size // r}" for r in range(1, world_size) if world_size % r == 0 and world_size // r > 1]
         fix = (f"set parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size to {world_size} "
                f"(one of {', '.join(fits)}: replicas = nodes, shards = GPUs per node)" if fits
                else "drop parallelism_config")
-        problems.append(f"the accelerate config's parallelism_config makes {factors} = {product} processes, but the "
-                        f"launch has {world_size} (num_processes); {fix}, or launch on {product} processes")
+        problems.append(f"the accelerate config's parallelism_config makes {factors} = {sizes.total} processes, but "
+                        f"the launch has {world_size} (num_processes); {fix}, or launch on {sizes.total} processes")
     if replicate > 1 and shard == 1:
         problems.append(f"parallelism_config_dp_replicate_size {replicate} with parallelism_config_dp_shard_size 1 is "
                         "plain data parallelism, which FSDP2 cannot run; shard inside each replica (dp_shard > 1), or "
@@ -162,7 +135,7 @@ class MeshCheck(TrainerCallback):
         if problem:
             raise RecipeError(f"the launch asked for {self.mesh.describe()}, but {problem}; check the accelerate "
                               "config's parallelism_config and fsdp_version: 2")
-        if args.process_index == 0:
+        if args.process_index == 0:  # accelerate's mesh is row-major: a replica is `shard` consecutive ranks (a node)
             replicas = "; ".join(f"replica {r}: ranks {r * self.mesh.shard}-{(r + 1) * self.mesh.shard - 1}"
                                  for r in range(self.mesh.replicate))
             logger.info("[mesh] %s (%s); every parameter Shard(0) over the %d processes of its replica%s",
