@@ -131,4 +131,4 @@ def test_the_mesh_check_refuses_a_model_not_laid_out_as_launched(single_rank_gro
         "parameter 0.weight lies on a mesh of shape (1,) placed (Shard(dim=0),), not (2, 2) placed "
         "(Replicate(), Shard(dim=0))")
     plain = torch.nn.Linear(4, 4)
-    assert model_mesh_problem(plain, DataParallelMesh(1, 1)) == "parameter weight is not sharded (a plain tensor)"
+    assert model_mesh_problem(plain, DataParallelMesh(1, 1)) == "no parameter of the model is sharded (all are plain tensors)"

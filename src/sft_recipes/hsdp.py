@@ -105,15 +105,17 @@ def model_mesh_problem(model, mesh: DataParallelMesh) -> str | None:
     """Why the prepared (`fully_shard`-ed) model is not laid out on `mesh`, None when every parameter is.
 
     HSDP: each parameter a DTensor on a 2-D mesh of shape (replicate, shard), placed (Replicate(), Shard(0));
-    flat FSDP: on a 1-D mesh of every process, placed (Shard(0),).
+    flat FSDP: on a 1-D mesh of every process, placed (Shard(0),). Plain parameters are those FSDP was told to
+    leave alone (accelerate's ignored_params); a model without a single DTensor was not sharded at all.
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     expected_shape = (mesh.replicate, mesh.shard) if mesh.is_hybrid else (mesh.shard,)
     expected_placements = (Replicate(), Shard(0)) if mesh.is_hybrid else (Shard(0),)
-    for name, param in model.named_parameters():
-        if not isinstance(param, DTensor):
-            return f"parameter {name} is not sharded (a plain tensor)"
+    sharded = [(name, param) for name, param in model.named_parameters() if isinstance(param, DTensor)]
+    if not sharded:
+        return "no parameter of the model is sharded (all are plain tensors)"
+    for name, param in sharded:
         shape, placements = tuple(param.device_mesh.shape), tuple(param.placements)
         if shape != expected_shape or placements != expected_placements:
             return (f"parameter {name} lies on a mesh of shape {shape} placed {placements}, not {expected_shape} "
