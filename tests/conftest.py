@@ -19,6 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_REALWORLD = REPO_ROOT.parent / "shared" / "realworld"
 REALWORLD = REPO_ROOT / "data" / "realworld"
 CPU_CONFIG = REPO_ROOT / "accelerate_configs" / "fsdp2_cpu.yaml"
+HSDP_CPU_CONFIG = REPO_ROOT / "accelerate_configs" / "hsdp_cpu.yaml"  # 4 processes: 2 replicas x 2 shards
 TINY_LLAMA_RECIPE = REPO_ROOT / "recipes" / "tiny" / "llama8b.yaml"
 
 
@@ -46,9 +47,9 @@ def run_command(cmd: list[str], env: dict[str, str] | None = None, timeout: int 
 
 
 def launch_sft(recipe: Path, *overrides: str, nproc: int = 2, env: dict[str, str] | None = None,
-               check: bool = True) -> subprocess.CompletedProcess:
+               check: bool = True, config: Path = CPU_CONFIG) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file fsdp2_cpu.yaml scripts/sft.py RECIPE ...` on its own port."""
-    cmd = [bin_path("accelerate"), "launch", "--config_file", str(CPU_CONFIG), "--num_processes", str(nproc),
+    cmd = [bin_path("accelerate"), "launch", "--config_file", str(config), "--num_processes", str(nproc),
            "--main_process_port", str(free_port()), "scripts/sft.py", str(recipe), *overrides]
     result = run_command(cmd, env)
     if check and result.returncode != 0:

@@ -234,6 +234,12 @@ def sequence_parallel_without_global_token_count(recipe: Recipe, ctx: LintContex
     return None
 
 
+def parallelism_config_these_recipes_cannot_run(recipe: Recipe, ctx: LintContext) -> str | None:
+    from sft_recipes.hsdp import parallelism_problems
+
+    return "; ".join(parallelism_problems(ctx.world_size, recipe.training.sequence_parallel_size)) or None
+
+
 def activation_offloading_without_accelerator(recipe: Recipe, ctx: LintContext) -> str | None:
     # TRL's OffloadActivations asks torch.accelerator.current_accelerator().type, None on a CPU-only machine.
     if recipe.training.activation_offloading and not ctx.has_accelerator:
@@ -260,6 +266,7 @@ RULES = (
     block_length_not_divisible_by_sequence_parallel_size,
     sequence_parallel_size_the_heads_cannot_take,
     sequence_parallel_without_global_token_count,
+    parallelism_config_these_recipes_cannot_run,
     activation_offloading_without_accelerator,
 )
 

@@ -17,6 +17,7 @@ class RunSummaryCallback(TrainerCallback):
         self.tracking_uri = tracking_uri  # MLflow's, when the run reports there
         self.overrides = overrides or {}  # Recipe.overrides: the keys each source (parameters, command line) set
         self.losses: dict[int, float] = {}
+        self.grad_norms: dict[int, float] = {}  # the norm clipped against: over the whole mesh
         self.first_step: int | None = None
         self.last_step = 0
         self._step_started = 0.0
@@ -62,6 +63,8 @@ class RunSummaryCallback(TrainerCallback):
         step = state.global_step if step is None else step  # `step`: an entry of the checkpoint's log_history
         if logs and "loss" in logs:
             self.losses[step] = float(logs["loss"])
+        if logs and "grad_norm" in logs:
+            self.grad_norms[step] = float(logs["grad_norm"])
         if logs and "eval_loss" in logs:
             self.eval_losses[step] = float(logs["eval_loss"])
         for key in ("packing_efficiency", "tokens_per_second_per_device", "mfu", "peak_memory_gib"):
@@ -83,6 +86,7 @@ class RunSummaryCallback(TrainerCallback):
             "tokens_seen": self.tokens_seen,
             "final_loss": self.losses[max(self.losses)] if self.losses else None,
             "losses": {str(step): loss for step, loss in sorted(self.losses.items())},
+            "grad_norms": {str(step): norm for step, norm in sorted(self.grad_norms.items())},
             "eval_loss": self.eval_losses[max(self.eval_losses)] if self.eval_losses else None,
             "eval_losses": {str(step): loss for step, loss in sorted(self.eval_losses.items())},
             "packing_efficiency": self.last_metrics.get("packing_efficiency"),

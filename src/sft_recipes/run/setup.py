@@ -14,6 +14,7 @@ from sft_recipes.distributed import enable_cpu_fsdp, launched_world_size
 from sft_recipes.fault.collective_timeout import bound_collective_waits
 from sft_recipes.fault.output_disk import refuse_unwritable_output_dir
 from sft_recipes.fault.resume import nothing_left_to_train, protect_output_dir, resolve_resume_checkpoint
+from sft_recipes.hsdp import launched_mesh
 from sft_recipes.lint import LintContext, lint_recipe
 from sft_recipes.loading import ModelSource
 from sft_recipes.reporting.console import keep_train_log, open_train_log, quiet_other_ranks
@@ -104,7 +105,8 @@ def start_run(recipe: Recipe, read_only: bool = False) -> Run:
     run = Run(recipe=recipe, source=source, batch_derivation=derivation, resume_from=resume_from, hub_push=hub_push,
               sequence_parallel=start_sequence_parallel(recipe))  # the process group exists by now
     if run.is_main:
-        logger.info("recipe %s -> output_dir %s; %s", recipe.source, training.output_dir, derivation)
+        logger.info("recipe %s -> output_dir %s; %s; %s", recipe.source, training.output_dir, derivation,
+                    launched_mesh(training.world_size).describe())
         for source, values in recipe.overrides.items():  # which keys the workload's parameters / the caller set
             logger.info("overrides from %s: %s", source, ", ".join(f"{key}={value!r}" for key, value in values.items()))
     return run
