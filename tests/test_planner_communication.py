@@ -134,7 +134,7 @@ def test_qwen27b_at_32k_on_8_h100_gets_a_suggestion_that_fits_and_keeps_8_blocks
         assert option.fits("H100") and s.seq_len == 32768
         assert s.micro_batch_size * s.gradient_accumulation_steps * s.data_parallel_size == 8
     best = report.suggestions[0]
-    text = format_layouts(report, "accelerate launch --config_file accelerate_configs/fsdp2_8gpu.yaml scripts/sft.py "
+    text = format_layouts(report, ".venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_8gpu.yaml scripts/sft.py "
                                   "recipes/qwen27b.yaml")
     assert f"scripts/sft.py recipes/qwen27b.yaml {' '.join(best.overrides)}" in text
     assert "does not fit on H100" in text

@@ -743,7 +743,7 @@ def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None
                                nodes, gpu, intra_node_gbps, inter_node_gbps)
     except ValueError as err:  # the model's config, or sizes the planner cannot take
         raise RecipeError(str(err)) from None
-    command = f"accelerate launch --config_file {config_file or header_accelerate_config(recipe_path) or 'CONFIG'} " \
+    command = f".venv/bin/accelerate launch --config_file {config_file or header_accelerate_config(recipe_path) or 'CONFIG'} " \
               f"scripts/sft.py {recipe_path} {' '.join(overrides)}".rstrip()
     text = format_plan(plan) + "\n" + format_layouts(layouts, command)
     if plan_json:
