@@ -17,6 +17,7 @@ itself changes, the accelerate config to launch with.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -312,8 +313,10 @@ def format_layouts(report: LayoutReport, command: str) -> str:
                      f"{s.sequence_parallel_size}, checkpointing {'on' if s.activation_checkpointing else 'off'}, "
                      f"offloading {'on' if s.activation_offloading else 'off'} = {sequences} sequences per step")
         flags = " ".join(option.overrides)
-        lines.append(f"      {command} {flags}".rstrip())
-        if option.accelerate_config:
+        shipped = option.accelerate_config and " " not in option.accelerate_config
+        launch = re.sub(r"--config_file \S+", f"--config_file {option.accelerate_config}", command) if shipped else command
+        lines.append(f"      {launch} {flags}".rstrip())
+        if option.accelerate_config and not shipped:
             lines.append(f"      accelerate config: {option.accelerate_config}")
     return "\n".join(lines)
 
