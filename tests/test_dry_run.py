@@ -36,9 +36,10 @@ def test_qwen27b_8k_blocks_fit_h100(tmp_path):
 
 
 def test_qwen27b_32k_blocks_fit_h100_with_sequence_parallel_size_4_at_the_same_batch(tmp_path):
-    # the H100 launch of the recipe's header: 2 groups of 4 GPUs x 4 accumulation steps = the seed's 8 blocks
+    # the H100 launch of the recipe's header: 2 groups of 4 GPUs x 4 accumulation steps (derived from the recipe's
+    # global_batch_size: 8) = the seed's 8 blocks
     plan, printed = dry_run(tmp_path, "qwen27b.yaml", "fsdp2_8gpu.yaml", "Qwen__Qwen3.5-27B.derived.json",
-                            "--sequence_parallel_size", "4", "--gradient_accumulation_steps", "4")
+                            "--sequence_parallel_size", "4")
     assert plan["fits"]["H100"] and plan["sequence_parallel_size"] == 4 and plan["data_parallel_size"] == 2
     assert plan["tokens_per_step"] == 8 * 32768
     assert "SP 4: 2 groups of 4 devices share each block, 8,192 tokens per device" in printed

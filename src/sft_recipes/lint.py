@@ -151,8 +151,13 @@ def mixed_precision_differs_from_launch(recipe: Recipe, ctx: LintContext) -> str
 def batch_the_world_cannot_produce(recipe: Recipe, ctx: LintContext) -> str | None:
     t = recipe.training
     if (t.global_batch_size or t.global_batch_tokens) and "gradient_accumulation_steps" in recipe.values:
-        return ("the recipe sets both a global batch and gradient_accumulation_steps; drop gradient_accumulation_steps "
-                "(it is derived from the global batch and the world size)")
+        stated = (f"global_batch_size: {t.global_batch_size}" if t.global_batch_size
+                  else f"global_batch_tokens: {t.global_batch_tokens}")
+        # The shipped recipes state their global batch so that SP, HSDP and node counts keep the experiment; a fixed
+        # accumulation beside it would change the batch on another layout, silently, so it is refused.
+        return (f"the recipe states its global batch ({stated}) and gradient_accumulation_steps is set too, which "
+                "would change it on another layout; drop gradient_accumulation_steps (it is derived from the global "
+                "batch and the world size), or pass --global_batch_size N to train another global batch")
     if ctx.world_size % t.sequence_parallel_size:
         return None  # sequence_parallel_size_not_dividing_the_world says so
     try:

@@ -183,7 +183,8 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
             if len(held_out) == 0:
                 raise RecipeError(f"test_split_size={data_args.test_split_size} holds out no row of {source.label}: "
                                   "raise test_split_size, or give eval_datasets.")
-            eval_parts.append((source, held_out))
+            eval_parts.append((source, fmt.as_trained(held_out)))
+        rows = fmt.as_trained(rows)  # after the split: the same rows are held out whatever shape they train in
         good_rows = without_marked_rows(rows) if marked else rows  # as the format's own checks read them
         raw_train.append((good_rows, source.dataset_format))
         if packs:  # the packed stream reads and tokenizes the conversations
@@ -197,7 +198,7 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
         train_parts.append(rows)
     for source in eval_sources(data_args):
         rows, _ = _load(source, streaming=False)  # eval data is finite: read whole, never streamed
-        eval_parts.append((source, rows))
+        eval_parts.append((source, FORMATS[source.dataset_format].as_trained(rows)))
     entries = report.sources
     if streaming:
         columns = ["messages", SOURCE_FIELD, *([ROW_PROBLEM] if marked else [])] if packs else ["input_ids", "labels"]
