@@ -166,3 +166,13 @@ def test_an_hsdp_shard_group_that_cannot_hold_the_run_names_the_shortfall_and_th
     assert shortfall is not None and shortfall.smallest_fitting_shard == 16
     assert shortfall.shortfall_gib == pytest.approx(plan.memory.total - 79.6)
     assert shard_group_shortfall(config, plan.counts, plan.setup, "B300") is None
+
+
+def test_the_dry_run_plans_for_the_gpu_the_recipe_header_names(tmp_path):
+    from sft_recipes.plan import header_gpu
+
+    assert (header_gpu(REPO_ROOT / "recipes" / "qwen27b.yaml"), header_gpu(REPO_ROOT / "recipes" / "llama8b.yaml")) == \
+        ("B300", "H100")
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("model_name_or_path: x\n")
+    assert header_gpu(bare) == "H100"

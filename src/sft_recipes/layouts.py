@@ -125,8 +125,10 @@ def _config_change(current: TrainingSetup, option: LayoutOption, current_layout:
         config = hsdp_config_name(option.layout, base_config)
     if option.setup.activation_checkpointing != current.activation_checkpointing:
         value = str(option.setup.activation_checkpointing).lower()
-        config = (f"{config}, and fsdp_activation_checkpointing: {value}" if config else
-                  f"a copy of {base_config or 'the accelerate config'} with fsdp_activation_checkpointing: {value}")
+        if config and " " in config:  # already "a copy of ... with ..."
+            config = f"{config}, and fsdp_activation_checkpointing: {value}"
+        else:
+            config = f"a copy of {config or base_config or 'the accelerate config'} with fsdp_activation_checkpointing: {value}"
     return config
 
 
