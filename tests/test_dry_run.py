@@ -122,7 +122,8 @@ def test_dry_run_refuses_an_hsdp_shard_group_that_cannot_hold_the_run(tmp_path):
         "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 8\n"))
     result = run_command([bin_path("python"), "scripts/sft.py", "recipes/qwen27b.yaml", "--dry-run", "--config_file",
                           str(config), "--model_name_or_path", str(CONFIGS / "Qwen__Qwen3.5-27B.derived.json"),
-                          "--gpu", "H100"])  # the recipe's header names B300, where 8 GPUs hold it
+                          "--global_batch_size", "16", "--gpu", "H100"])  # the header names B300: 8 GPUs hold it there
     assert result.returncode == 2, result.stderr[-3000:]
     assert "HSDP shard group of 8 GPUs cannot hold this run on H100" in result.stderr
-    assert "the smallest shard size that fits is 16 (parallelism_config_dp_shard_size: 16" in result.stderr
+    assert "100.0 GiB per GPU, 20.4 GiB more than its 79.6; the smallest shard size that fits is 16 (every GPU: " \
+           "flat FSDP" in result.stderr

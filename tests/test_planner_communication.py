@@ -157,7 +157,8 @@ def test_llama8b_on_16_h100_is_told_only_to_stop_checkpointing():
 
 
 def test_an_hsdp_shard_group_that_cannot_hold_the_run_names_the_shortfall_and_the_smallest_shard_that_fits():
-    loaded = load_recipe(REPO_ROOT / "recipes" / "qwen27b.yaml", {"model_name_or_path": str(QWEN_27B)}, planning=True)
+    loaded = load_recipe(REPO_ROOT / "recipes" / "qwen27b.yaml", {"model_name_or_path": str(QWEN_27B),
+                                                                 "global_batch_size": 16}, planning=True)
     accelerate_config = read_accelerate_config(REPO_ROOT / "accelerate_configs" / "fsdp2_2node.yaml")
     plan = plan_recipe(loaded, accelerate_config, 16, replicate_size=2)
     config = read_model_config(QWEN_27B, download=False)

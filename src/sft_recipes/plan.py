@@ -772,9 +772,11 @@ def plan_layouts(recipe: Recipe, plan: Plan, accelerate_config: AccelerateConfig
     if setup.replicate_size > 1:
         shortfall = shard_group_shortfall(config, plan.counts, setup, gpu)
         if shortfall is not None:
-            fix = (f"the smallest shard size that fits is {shortfall.smallest_fitting_shard} "
-                   f"(parallelism_config_dp_shard_size: {shortfall.smallest_fitting_shard}, "
-                   f"parallelism_config_dp_replicate_size: {setup.world_size // shortfall.smallest_fitting_shard})"
+            shard = shortfall.smallest_fitting_shard
+            fix = (f"the smallest shard size that fits is {shard} " + (
+                   f"(parallelism_config_dp_shard_size: {shard}, parallelism_config_dp_replicate_size: "
+                   f"{setup.world_size // shard})" if shard and shard < setup.world_size else
+                   f"(every GPU: flat FSDP, a config without parallelism_config)")
                    if shortfall.smallest_fitting_shard else
                    "no shard size fits either, flat FSDP over all ranks included: see the plan without "
                    "parallelism_config for what to change")
