@@ -177,3 +177,14 @@ def test_the_dry_run_plans_for_the_gpu_the_recipe_header_names(tmp_path):
     bare = tmp_path / "bare.yaml"
     bare.write_text("model_name_or_path: x\n")
     assert header_gpu(bare) == "H100"
+
+
+def test_a_layout_change_names_the_config_to_launch_with():
+    from sft_recipes.layouts import hsdp_config_name
+
+    # back to flat FSDP from an HSDP launch: the shipped flat config of that many nodes, else the base without it
+    assert hsdp_config_name(MeshLayout(2, 8, 1), "/tmp/mine.yaml") == "accelerate_configs/fsdp2_2node.yaml"
+    assert hsdp_config_name(MeshLayout(3, 8, 1), "/tmp/mine.yaml") == "a copy of /tmp/mine.yaml without parallelism_config"
+    assert hsdp_config_name(MeshLayout(3, 8, 3), "accelerate_configs/fsdp2_2node.yaml") == (
+        "a copy of accelerate_configs/fsdp2_2node.yaml with parallelism_config: "
+        "{parallelism_config_dp_replicate_size: 3, parallelism_config_dp_shard_size: 8}")
