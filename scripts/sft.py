@@ -39,8 +39,9 @@ def parse_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--plan-json", help="with --dry-run: also write the plan as JSON to this path")
     parser.add_argument("--workload", help="with --dry-run: check this AI Runtime workload file (as `python -m "
                         "sft_recipes.workload check` does) and plan with its parameters and accelerate config")
-    parser.add_argument("--gpu", default="H100", choices=("H100", "H200", "B200", "B300"),
-                        help="with --dry-run: the GPU the communication estimate, layout comparison and suggestions are for")
+    parser.add_argument("--gpu", choices=("H100", "H200", "B200", "B300"),
+                        help="with --dry-run: the GPU the communication estimate, layout comparison and suggestions are "
+                             "for (default: the one the recipe's first header line names, else H100)")
     parser.add_argument("--intra_node_gbps", type=float,
                         help="with --dry-run: NVLink Gb/s per GPU each way (default: the --gpu's, docs/planner.md)")
     parser.add_argument("--inter_node_gbps", type=float,
