@@ -8,6 +8,7 @@ reloading it and comparing logits with the trained model.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +50,20 @@ def export_consolidated(trainer, output_dir: str | Path, export_dtype: str = "au
         trainer.processing_class.save_pretrained(output_dir)
     accelerator.wait_for_everyone()
     return output_dir
+
+
+# A VLM checkpoint's processor files besides the tokenizer's: what AutoImageProcessor / AutoProcessor read.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+
+
+def copy_processor_files(source_dir: str | Path, output_dir: str | Path) -> list[str]:
+    """Copy the source checkpoint's processor files into the export (training never changes them); their names."""
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (Path(source_dir) / name).is_file():
+            shutil.copyfile(Path(source_dir) / name, Path(output_dir) / name)
+            copied.append(name)
+    return copied
 
 
 def first_input_ids(dataset) -> list[int]:

@@ -69,7 +69,8 @@ IMAGES_FIELD = "images"
 def flatten_parts(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int] | str:
     """(messages with string contents, number of image parts), or the drop reason of the row.
 
-    A string content stays as it is; a list of parts becomes its texts with IMAGE_PLACEHOLDER for each image.
+    A string content stays as it is (an already flat row: idempotent); a list of parts becomes its texts with
+    IMAGE_PLACEHOLDER for each image.
     """
     flat, images = [], 0
     for message in messages:
@@ -90,15 +91,18 @@ def flatten_parts(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
                 else:
                     return MISPLACED_IMAGE if kind in ("video", "image_url") else "not_a_string"
             content = "".join(pieces)
-        elif isinstance(content, str) and any(token in content for token in VISION_TOKENS):
-            return MISPLACED_IMAGE
         flat.append({**message, "content": content} if isinstance(message, dict) else message)
     return flat, images
 
 
 def vision_row_problem(row: dict[str, Any]) -> str | None:
-    """The structural row rules (the images themselves are checked where their files are known: `check_images`)."""
-    flat = flatten_parts(row.get("messages")) if isinstance(row.get("messages"), list) else None
+    """The structural row rules of a row as the data has it (the images themselves are checked where their files
+    are known: `check_images`). Vision tokens typed into a string content would pose as images."""
+    messages = row.get("messages")
+    if isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                          and any(token in m["content"] for token in VISION_TOKENS) for m in messages):
+        return MISPLACED_IMAGE
+    flat = flatten_parts(messages) if isinstance(messages, list) else None
     if isinstance(flat, str):
         return flat
     problem = messages_problem(flat[0] if flat else row.get("messages"))
@@ -246,6 +250,24 @@ class VisionProcessing:
                 labels.append(token if keep else IGNORE_INDEX)
         positions = mrope_positions(self.config, torch.tensor(input_ids), grid)
         return VisionExample(input_ids, labels, pixel_values, grid, positions)
+
+
+    def prompt_inputs(self, conversation: list[dict[str, Any]], images: list[Image.Image]) -> dict[str, torch.Tensor]:
+        """`generate` inputs for a flat conversation ending in a user turn about `images` (chat.py --image): the
+        template's generation prompt, image tokens expanded; the model computes its positions (mm_token_type_ids)."""
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"]
+        if ids.count(self.image_token_id) != len(images):
+            raise ValueError(f"The prompt has {ids.count(self.image_token_id)} image placeholders for {len(images)} "
+                             "images.")
+        pixel_values, grid = self.encode_images(images)
+        example = self.expanded(ids, [0] * len(ids), pixel_values, grid)
+        input_ids = torch.tensor([example.input_ids])
+        inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+        if images:
+            inputs.update(pixel_values=pixel_values, image_grid_thw=grid,
+                          mm_token_type_ids=(input_ids == self.image_token_id).int())
+        return inputs
 
 
 def mrope_positions(config, input_ids: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from sft_recipes.architectures.sequence_parallel import sequence_parallel_suspended
-from sft_recipes.export import export_run
+from sft_recipes.export import copy_processor_files, export_run
 from sft_recipes.reporting.export_check import ExportCheck
 from sft_recipes.reporting.load_export import load_export
 from sft_recipes.reporting.run_end import report_run_end
@@ -32,6 +32,7 @@ def finish(run: Run, training: Training) -> dict | None:
                                             on_reloaded=samples_after if training.sample_prompts else None)
     if not run.is_main:
         return None
+    copy_processor_files(run.source.path, output_dir)  # a VLM's image processor: the export loads as it came in
     summary = training.summary
     report = summary.finish(training.seconds, output_dir, logit_diff, training.resumed_from, training.layout)
     Path(output_dir, "run_summary.json").write_text(json.dumps(report, indent=2))
