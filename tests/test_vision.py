@@ -257,3 +257,36 @@ def test_preflight_passes_the_real_qwen3_5_config_and_refuses_a_leaking_packing(
     monkeypatch.setattr(vision, "packed_position_ids", running_positions)
     with pytest.raises(RecipeError, match="Packed image \\+ text examples leak"):
         preflight.check_image_packing_leak(config)
+
+
+def test_dry_run_plans_the_vision_tower_and_the_image_tokens():
+    from sft_recipes.plan import plan_dry_run
+    from sft_recipes.tiny import REALWORLD_DIR
+
+    config = str(REALWORLD_DIR / "model_configs" / "Qwen__Qwen3.5-27B.derived.json")
+    common = ["--model_name_or_path", config]
+    frozen = plan_dry_run("recipes/qwen27b-vision.yaml", common, "accelerate_configs/fsdp2_8gpu.yaml")
+    assert "vision tower      453,650,672 parameters (tower frozen, merger trains: 37,759,232 trainable" in frozen
+    # 602,112 pixels / (16 * 2)**2 per token = 588 tokens; 8192 // 588 = 13 images per block.
+    assert "at most 588 image tokens per image" in frozen and "holds up to 13 such images" in frozen
+    trained = plan_dry_run("recipes/qwen27b-vision.yaml", [*common, "--freeze_vision_tower", "false"],
+                           "accelerate_configs/fsdp2_8gpu.yaml")
+    added = [float(line.split("+")[1].split()[0]) for text in (frozen, trained) for line in text.splitlines()
+             if "vision memory" in line]
+    assert added[1] > 100 * added[0] > 0  # a trained tower keeps its activations
+
+
+def test_sequence_parallelism_on_image_data_is_refused_at_parse_time():
+    from sft_recipes.lint import LintContext, lint_recipe
+    from sft_recipes.config import load_recipe
+
+    recipe = load_recipe("recipes/tiny/qwen27b-vision.yaml", ["--sequence_parallel_size", "2"])
+    with pytest.raises(RecipeError, match="sequence parallelism does not shard image blocks yet"):
+        lint_recipe(recipe, LintContext(world_size=2, has_accelerator=False))
+
+
+def test_image_sources_need_the_image_block_stream():
+    from sft_recipes.config import load_recipe
+
+    with pytest.raises(RecipeError, match="image rows train through the image block stream: set pack_blocks: true"):
+        load_recipe("recipes/tiny/qwen27b-vision.yaml", ["--pack_blocks", "false"])

@@ -779,6 +779,7 @@ def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None
     RecipeError for anything that stops the plan (the recipe, the launcher's settings, the model's config).
     """
     from sft_recipes.config import load_recipe
+    from sft_recipes.data.mixture import has_images
     from sft_recipes.lint import LintContext, lint_recipe
 
     accelerate_config = accelerate_config_for_plan(config_file, recipe_path)
@@ -794,6 +795,11 @@ def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None
     except ValueError as err:  # the model's config, or sizes the planner cannot take
         raise RecipeError(str(err)) from None
     text = format_plan(plan)
+    if has_images(recipe.data):  # what the tower and the images add (vision_plan.py)
+        from sft_recipes.vision_plan import vision_plan_lines
+
+        config = read_model_config(model_args.model_name_or_path, model_args.model_revision, download=False)
+        text = "\n".join([*vision_plan_lines(recipe, config, world_size), text])
     if plan_json:
         Path(plan_json).write_text(plan.to_json())
         text += f"\nplan written to {plan_json}"

@@ -146,8 +146,9 @@ def join_examples(members: list[dict[str, Any]]) -> dict[str, Any]:
     return block
 
 
-# Per-example tensors that image examples carry into their block (see data/vision.py): patches, grids, t/h/w positions.
-EXAMPLE_TENSORS = {"pixel_values": 0, "image_grid_thw": 0, "mrope_positions": 1}
+# Per-example tensors that image examples carry into their block (see data/vision.py): patches, grids, t/h/w
+# positions, and how many images each example has.
+EXAMPLE_TENSORS = {"pixel_values": 0, "image_grid_thw": 0, "mrope_positions": 1, "num_images": 0}
 
 
 @dataclass

@@ -298,6 +298,18 @@ def packed_position_ids(text_positions: torch.Tensor, mrope: list[torch.Tensor])
         tail = text[positions.shape[1]:].expand(3, -1)
         rows.append(torch.cat([text[None], torch.cat([positions, tail], dim=1)]))
     return torch.stack(rows, dim=1)
+def first_example_inputs(block: dict[str, Any], image_token_id: int) -> dict[str, torch.Tensor]:
+    """A packed image block's first example as the model takes it alone (the export's reload check): its tokens,
+    its own images' patches and grids, and ``mm_token_type_ids`` so that the model computes its positions."""
+    ids = torch.tensor([block["input_ids"][: block["seq_lengths"][0]]])
+    images = int(block["num_images"][0])
+    if not images:
+        return {"input_ids": ids}
+    grid = block["image_grid_thw"][:images]
+    return {"input_ids": ids, "pixel_values": block["pixel_values"][: int(grid.prod(-1).sum())],
+            "image_grid_thw": grid, "mm_token_type_ids": (ids == image_token_id).int()}
+
+
 # ── Packed blocks ────────────────────────────────────────────────────────────────────────────────
 
 class VisionBlockStream(RankLocalBlockStream):
@@ -336,12 +348,13 @@ class VisionBlockStream(RankLocalBlockStream):
                 pending.keep(example.labels, source)
                 yield {"input_ids": example.input_ids, "labels": example.labels,
                        "pixel_values": example.pixel_values, "image_grid_thw": example.image_grid_thw,
-                       "mrope_positions": example.mrope_positions}
+                       "mrope_positions": example.mrope_positions,
+                       "num_images": torch.tensor([len(example.image_grid_thw)])}
 
     def exhausted_block(self) -> dict[str, Any]:
         pixel_values, grid = self.processing.encode_images([])
         return {**super().exhausted_block(), "pixel_values": pixel_values, "image_grid_thw": grid,
-                "mrope_positions": torch.zeros(3, 0, dtype=torch.long)}
+                "mrope_positions": torch.zeros(3, 0, dtype=torch.long), "num_images": torch.tensor([0])}
 
 
 @dataclass
