@@ -290,3 +290,40 @@ def test_image_sources_need_the_image_block_stream():
 
     with pytest.raises(RecipeError, match="image rows train through the image block stream: set pack_blocks: true"):
         load_recipe("recipes/tiny/qwen27b-vision.yaml", ["--pack_blocks", "false"])
+
+
+def test_image_and_text_only_sources_mix_in_one_block_stream(processing):
+    from sft_recipes.config import load_recipe
+    from sft_recipes.data.blocks import collate_blocks
+    from sft_recipes.data.mixture import build_source_data
+    from sft_recipes.data.formats import Tokenization
+
+    recipe = load_recipe("recipes/tiny/qwen27b-vision.yaml", {"dataset_name": None, "datasets": [
+        {"path": "data/samples/vision/shapes.jsonl", "dataset_format": "vision_messages"},
+        {"path": "data/samples/ultrachat.jsonl", "dataset_format": "messages"}]})
+    sources = build_source_data(recipe.data, Tokenization(max_length=None), processing.tokenizer, seed=0,
+                                block_length=256)
+    assert [entry.checked.kept for entry in sources.report.sources] == [60, 200]
+    stream = vision.VisionBlockStream(sources.train, processing, 256, rank=0, world_size=1, packing_window=8,
+                                      num_sources=2)
+    collate = collate_blocks(VisionBlockCollator(256, processing.tokenizer.pad_token_id))
+    blocks = []
+    for block in stream:
+        if block["stream_exhausted"]:
+            break
+        blocks.append(block)
+    with_images = [block for block in blocks if int(block["num_images"].sum())]
+    assert with_images and len(with_images) < len(blocks)  # text-only examples packed too
+    batch = collate(blocks[:2])
+    tokens = (batch["input_ids"] == IMAGE_PAD).sum().item()
+    assert tokens == sum(int(block["image_grid_thw"].prod(-1).sum()) // 4 for block in blocks[:2])
+    assert batch["stream_stats"].sources.keys() <= {0, 1} and batch["position_ids"].shape[:2] == (4, 2)
+
+
+def test_the_tiny_twin_ships_its_image_processor():
+    from transformers import AutoImageProcessor
+
+    from sft_recipes.tiny import ensure_tiny
+
+    processor = AutoImageProcessor.from_pretrained(ensure_tiny("qwen3_5"))
+    assert (processor.patch_size, processor.merge_size, processor.temporal_patch_size) == (16, 2, 2)
