@@ -24,6 +24,7 @@ from sft_recipes.distributed import process_group_destroyed_on_exit
 from sft_recipes.errors import one_line_refusals
 from sft_recipes.plan import plan_dry_run
 from sft_recipes.run import audit_data, build_data, build_model, build_trainer, finish, start_run
+from sft_recipes.workload import dry_run_as_the_workload
 
 
 def parse_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -34,6 +35,14 @@ def parse_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--config_file", help="with --dry-run: the accelerate config the run will be launched with")
     parser.add_argument("--world_size", type=int, help="with --dry-run: number of processes (overrides --config_file)")
     parser.add_argument("--plan-json", help="with --dry-run: also write the plan as JSON to this path")
+    parser.add_argument("--workload", help="with --dry-run: check this AI Runtime workload file (as `python -m "
+                        "sft_recipes.workload check` does) and plan with its parameters and accelerate config")
+    parser.add_argument("--gpu", default="H100", choices=("H100", "H200", "B200", "B300"),
+                        help="with --dry-run: the GPU the communication estimate, layout comparison and suggestions are for")
+    parser.add_argument("--intra_node_gbps", type=float,
+                        help="with --dry-run: NVLink Gb/s per GPU each way (default: the --gpu's, docs/planner.md)")
+    parser.add_argument("--inter_node_gbps", type=float,
+                        help="with --dry-run: network Gb/s per GPU each way (default: the --gpu's node, e.g. 400)")
     parser.add_argument("--audit-data", type=int, metavar="N", default=0,
                         help="show N conversations with their supervised spans marked, report mask statistics, stop")
     return parser.parse_known_args(argv)
@@ -43,11 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     cli, overrides = parse_command_line(sys.argv[1:] if argv is None else argv)
     if cli.dry_run:  # lint + plan, in seconds, without GPUs or weights
-        print(plan_dry_run(cli.recipe, overrides, cli.config_file, cli.world_size, cli.plan_json))
+        if cli.workload:  # the workload check, then the plan of what it launches
+            cli.config_file = cli.config_file or dry_run_as_the_workload(cli.workload, overrides)
+        print(plan_dry_run(cli.recipe, overrides, cli.config_file, cli.world_size, cli.plan_json, cli.gpu,
+                           cli.intra_node_gbps, cli.inter_node_gbps))
         return 0
 
     # ── Parse ─────────────────────────────────────────────────────────────────────────────────
-    run = start_run(load_recipe(cli.recipe, overrides))
+    run = start_run(load_recipe(cli.recipe, overrides), read_only=bool(cli.audit_data))
+    if run.finished:  # resumed at max_steps already: said so, nothing trained or written
+        return 0
 
     # ── Tokenizer ─────────────────────────────────────────────────────────────────────────────
     tokenizer = run.source.load_tokenizer()

@@ -140,7 +140,7 @@ def test_length_policy_counts_what_trl_truncates_and_drops(tokenizer, trl_prepar
     kept = alpaca.to_tokens(raw, tokenizer, Tokenization(max_length=max_length), report)
     assert dict(report.dropped) == {"no_trainable_tokens": targets_left.count(0)}
     assert report.truncated == truncated - targets_left.count(0)
-    assert report.trainable_tokens == sum(targets_left)
+    assert report.kept_supervised_tokens == sum(targets_left)  # TRL's prompt comes first: no labelled first token
     assert len(kept) == len(raw) - targets_left.count(0)
     # The rows kept are TRL's own, cut where TRL cuts them.
     assert kept["input_ids"] == [ids[:max_length] for ids, left in zip(prepared["input_ids"], targets_left) if left]
@@ -207,5 +207,5 @@ def test_conversations_dropped_while_masking_reach_the_data_report(tokenizer, tm
     short = len(tokenize_conversations(tokenizer, [rows[0]["messages"]])["input_ids"][0])
     prepared = FORMATS["messages"].prepare(dataset, tokenizer, Tokenization(max_length=short), report)
     assert dict(report.dropped) == {"truncated_away": 1} and report.kept == 3 == len(prepared)
-    assert report.trainable_tokens == sum(sum(masks) for masks in prepared["assistant_masks"]) > 0
+    assert report.kept_supervised_tokens == sum(sum(masks[1:]) for masks in prepared["assistant_masks"]) > 0
     assert "truncated_away 1" in report.format() and "--audit-data" in report.format()

@@ -36,9 +36,10 @@ def test_qwen27b_8k_blocks_fit_h100(tmp_path):
 
 
 def test_qwen27b_32k_blocks_fit_h100_with_sequence_parallel_size_4_at_the_same_batch(tmp_path):
-    # the H100 launch of the recipe's header: 2 groups of 4 GPUs x 4 accumulation steps = the seed's 8 blocks
+    # the H100 launch of the recipe's header: 2 groups of 4 GPUs x 4 accumulation steps (derived from the recipe's
+    # global_batch_size: 8) = the seed's 8 blocks
     plan, printed = dry_run(tmp_path, "qwen27b.yaml", "fsdp2_8gpu.yaml", "Qwen__Qwen3.5-27B.derived.json",
-                            "--sequence_parallel_size", "4", "--gradient_accumulation_steps", "4")
+                            "--sequence_parallel_size", "4")
     assert plan["fits"]["H100"] and plan["sequence_parallel_size"] == 4 and plan["data_parallel_size"] == 2
     assert plan["tokens_per_step"] == 8 * 32768
     assert "SP 4: 2 groups of 4 devices share each block, 8,192 tokens per device" in printed
@@ -99,3 +100,28 @@ def test_dry_run_refuses_a_recipe_whose_precision_differs_from_the_accelerate_co
                           "--config_file", "accelerate_configs/fsdp2_8gpu.yaml"])
     assert result.returncode == 2, result.stderr[-3000:]
     assert "mixed_precision: bf16 but the recipe says bf16: false" in result.stderr
+
+
+def test_two_node_dry_run_prints_fsdp_and_hsdp_side_by_side_and_carries_them_in_the_json(tmp_path):
+    plan, printed = dry_run(tmp_path, "llama8b.yaml", "fsdp2_2node.yaml", "meta-llama__Llama-3.1-8B.json",
+                            "--inter_node_gbps", "200")
+    assert plan["links_gbps"] == {"intra_node": 3600.0, "inter_node": 200.0} and plan["gpu"] == "H100"
+    assert [layout["layout"] for layout in plan["layouts"]] == ["FSDP", "HSDP 2x8"]
+    own = plan["communication"]
+    assert own["layout"] == "FSDP" and own["nodes"] == 2 and own["link_seconds"]["inter-node"] > 0
+    assert own["step_seconds"] == pytest.approx(own["compute_seconds"] + own["exposed_seconds"])
+    assert plan["faster_layout_that_fits"] in ("FSDP", "HSDP 2x8")
+    assert "network 200 Gb/s per GPU each way" in printed and "HSDP 2x8" in printed and "bound" in printed
+    for suggestion in plan["suggestions"]:
+        assert suggestion["fits"] and suggestion["sequences_per_step"] == plan["sequences_per_step"]
+
+
+def test_dry_run_refuses_an_hsdp_shard_group_that_cannot_hold_the_run(tmp_path):
+    config = tmp_path / "hsdp_2x8.yaml"
+    config.write_text((REPO_ROOT / "accelerate_configs" / "fsdp2_2node.yaml").read_text() + (
+        "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 8\n"))
+    result = run_command([bin_path("python"), "scripts/sft.py", "recipes/qwen27b.yaml", "--dry-run", "--config_file",
+                          str(config), "--model_name_or_path", str(CONFIGS / "Qwen__Qwen3.5-27B.derived.json")])
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "HSDP shard group of 8 GPUs cannot hold this run on H100" in result.stderr
+    assert "the smallest shard size that fits is 16 (parallelism_config_dp_shard_size: 16" in result.stderr

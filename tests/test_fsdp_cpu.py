@@ -46,7 +46,30 @@ def runs(tmp_path_factory):
     run_id = read_summary(root / "full")["mlflow_run_id"]
     resumed = launch_sft(TINY_LLAMA_RECIPE, *COMMON, "--output_dir", str(root / "two"), env={**env, "MLFLOW_RUN_ID": run_id})
 
-    return {"root": root, "store": store, "full": two, "one": one, "resumed": resumed}
+    # The same command again on the finished run: nothing left to train.
+    before = {path.relative_to(root): path.stat().st_mtime_ns for path in (root / "full").rglob("*")}
+    again = launch_sft(TINY_LLAMA_RECIPE, *COMMON, "--output_dir", str(root / "full"), "--report_to", "none",
+                       check=False)
+    after = {path.relative_to(root): path.stat().st_mtime_ns for path in (root / "full").rglob("*")}
+    # A read-only audit of the finished run at another global batch (1 process x 2 accumulation = 8 sequences).
+    audit = run_command([bin_path("python"), "scripts/sft.py", str(TINY_LLAMA_RECIPE), "--audit-data", "1",
+                         "--output_dir", str(root / "full")])
+    return {"root": root, "store": store, "full": two, "one": one, "resumed": resumed, "again": again,
+            "untouched": before == after, "audit": audit}
+
+
+def test_rerunning_a_finished_run_trains_nothing_and_writes_nothing(runs):
+    again = runs["again"]
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"checkpoint-{STEPS} has already trained {STEPS} step(s), reaching max_steps {STEPS}: nothing to train" \
+        in again.stdout
+    assert runs["untouched"] and not (runs["root"] / "full" / f"checkpoint-{STEPS + 1}").exists()
+
+
+def test_audit_after_a_run_reads_the_data_without_choosing_a_checkpoint(runs):
+    audit = runs["audit"]
+    assert audit.returncode == 0, audit.stderr[-3000:]
+    assert "global batch" not in audit.stderr and "resume_from_checkpoint=auto" not in audit.stderr
 
 
 def test_two_process_run_is_fsdp2(runs):

@@ -42,10 +42,10 @@ CASES = {
         {"activation_checkpointing": True}, {}, {"FSDP_ACTIVATION_CHECKPOINTING": "true"},
         "activation checkpointing is on twice"),
     "trl_packing_with_block_packing": (
-        {"pack_blocks": True, "padding_free": True}, {}, {}, "TRL's own `packing`/`padding_free` must then be false"),
+        {"pack_blocks": True, "padding_free": True}, {}, {}, "must then be false (TRL refuses a custom collator with padding-free): set packing: false and padding_free: false, or pack_blocks: false"),
     "block_packing_needs_chat_data": (
         {"pack_blocks": True, "dataset_format": "alpaca", "dataset_name": "data/samples/alpaca.jsonl"}, {}, {},
-        "pack_blocks needs a chat dataset_format"),
+        "pack_blocks needs a chat dataset_format, one of ('messages', 'reasoning') (got 'alpaca'): set pack_blocks: false, or"),
     "streamed_rows_counted_in_a_worker": (
         {"dataset_streaming": True, "dataloader_num_workers": 2, "dataset_format": "alpaca",
          "dataset_name": "data/samples/alpaca.jsonl"}, {}, {}, "set dataloader_num_workers: 0, or"),
@@ -68,7 +68,7 @@ CASES = {
         {"global_batch_size": 100}, {"world_size": 16}, {}, "cannot be made on 16 processes"),
     "sequence_parallel_with_trl_packing": (
         {"sequence_parallel_size": 2, "padding_free": True}, {"world_size": 2}, {},
-        "TRL's own `packing`/`padding_free` must be false (use `pack_blocks: true`)"),
+        "TRL's own `packing`/`padding_free` must be false: set packing: false and padding_free: false, with `pack_blocks: true`"),
     "sequence_parallel_without_block_packing": (
         {"sequence_parallel_size": 2}, {"world_size": 2}, {}, "needs `pack_blocks: true`"),
     "sequence_parallel_attention_implementation": (
@@ -87,7 +87,7 @@ CASES = {
         {"sequence_parallel_size": 2, "pack_blocks": True, "average_tokens_across_devices": False}, {"world_size": 2},
         {}, "leave average_tokens_across_devices at true"),
     "activation_offloading_without_accelerator": (
-        {"activation_offloading": True}, {}, {}, "set it false on CPU"),
+        {"activation_offloading": True}, {}, {}, "set activation_offloading: false on CPU"),
 }
 
 

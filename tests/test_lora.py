@@ -141,7 +141,7 @@ def test_gptoss_recipe_is_the_seed(monkeypatch):
     assert m.lora_target_parameters == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     assert m.lora_rank_pattern == {"mlp.experts.gate_up_proj": 8, "mlp.experts.down_proj": 8}
     assert (d.dataset_name, d.dataset_format, t.max_length) == ("HuggingFaceH4/Multilingual-Thinking", "reasoning", 2048)
-    assert (t.per_device_train_batch_size, t.gradient_accumulation_steps, t.learning_rate) == (1, 4, 1.5e-4)
+    assert (t.per_device_train_batch_size, t.global_batch_size, t.learning_rate) == (1, 32, 1.5e-4)
     assert (t.lr_scheduler_type.value, t.warmup_steps, t.num_train_epochs, t.logging_steps) == ("cosine", 0.03, 1, 5)
     assert t.bf16 and t.activation_checkpointing is False
     assert t.output_dir == "/Volumes/main/default/checkpoints/gpt-oss-120b-peft"

@@ -67,7 +67,7 @@ def test_every_bad_entry_is_named_at_once_with_its_fix(tmp_path):
         load_recipe(write_recipe(tmp_path, datasets=datasets, test_split_size=1.5))
     message = str(err.value)
     assert "datasets[0]: unknown key 'fration'; did you mean 'fraction'?" in message
-    assert "datasets[1]: dataset_format must be one of ['alpaca', 'messages', 'reasoning', 'text'], got 'chat'" in message
+    assert "datasets[1]: dataset_format must be one of ['alpaca', 'alpaca_chat', 'messages', 'reasoning', 'text'], got 'chat'" in message
     assert "datasets[1]: fraction must be a number > 0" in message
     assert "test_split_size is the share of rows held out for eval, in (0, 1); got 1.5" in message
 
@@ -165,7 +165,16 @@ def test_example_mixture_report_per_source(example_data):
     assert alpaca["supervised_token_share"] + chat["supervised_token_share"] == pytest.approx(1.0)
     labels = data.train["labels"]
     assert sum(len(row) - 1 - row[1:].count(-100) for row in labels) == alpaca["supervised_tokens"] + chat["supervised_tokens"]
-    assert summary["trainable_tokens"] == alpaca["supervised_tokens"] + chat["supervised_tokens"]
+    assert summary["supervised_tokens"] == alpaca["supervised_tokens"] + chat["supervised_tokens"]
+    assert summary["tokens"] == sum(len(row) for row in labels) == alpaca["tokens"] + chat["tokens"]
+    # One meaning: the loss's targets. The alpaca source is drawn whole (283 of 283), so its kept rows' count is the
+    # count of what trains; the chat source gives 121 of its 192 rows, so what trains is fewer.
+    assert alpaca["kept_supervised_tokens"] == alpaca["supervised_tokens"]
+    assert chat["kept_supervised_tokens"] > chat["supervised_tokens"]
+    text = data.report.format()
+    assert "trainable" not in text and "source 0 data/samples/alpaca.jsonl: 300 rows read, kept 300" in text
+    assert f"in the mixture: 283 of 283 training rows (fraction 0.7), {alpaca['tokens']:,} tokens, " \
+        f"{alpaca['supervised_tokens']:,} supervised" in text
     params = data.report.mlflow_params()
     assert params["data.source1.mixture_rows"] == 121 and params["data.source0.times_used"] == 1.0
 
@@ -289,3 +298,21 @@ def test_streamed_alpaca_and_text_are_tokenized_as_read_and_rows_cut_to_nothing_
     mixed = list(build_source_data(recipe, tokenizer).train)
     decoded = [tokenizer.decode(row["input_ids"]) for row in mixed]
     assert any("plain text" in row for row in decoded) and any("Say" in row for row in decoded)
+
+
+def test_a_packed_runs_report_says_how_many_conversations_the_steps_read_of_the_rows_available():
+    # SmolLM2 demo numbers: 300 training rows, 6 steps read 59 conversations of them.
+    from sft_recipes.data.blocks import SourceCounts, StreamStats
+    from sft_recipes.data.report import MixtureReport, SourceReport
+
+    report = MixtureReport(sources=[SourceReport(DataReport("chat.jsonl", rows=300), available_rows=300,
+                                                 mixture_rows=300)], packed=True)
+    assert "tokens counted while training" in report.format()
+    read = SourceCounts(conversations=59, tokens=6200, supervised_tokens=3462)
+    report.count_stream(StreamStats(conversations=59, sources={0: read}), stream_ended=False, max_dropped_share=0.05)
+    assert report.format().splitlines()[1] == (
+        "  read by the steps run: 59 conversations of 300 training rows, 6,200 tokens, 3,462 supervised "
+        "(each conversation counted whole when read); eval rows 0")
+    summary = report.as_dict()
+    assert (summary["tokens"], summary["supervised_tokens"], summary["sources"][0]["conversations_read"]) == (
+        6200, 3462, 59)

@@ -18,12 +18,13 @@ from trl.trainer.utils import add_fused_lm_head
 
 from sft_recipes.loading import model_class_for
 from sft_recipes.architectures.towers import freeze_vision_tower
+from sft_recipes.launch import read_accelerate_config
 from sft_recipes.loading import read_model_config
 from sft_recipes.model_math import GPUS, attention_flops_per_token, count_parameters, flops_per_token
 from sft_recipes.config import load_recipe
 from sft_recipes.plan import (
     FRAGMENTATION_FRACTION, GIB, MemoryEstimate, TrainingSetup, activation_bytes_per_token, estimate_memory, estimate_step_time, format_plan,
-    make_plan, plan_recipe, read_accelerate_config,
+    make_plan, plan_recipe,
 )
 from sft_recipes.tiny import REALWORLD_DIR, tiny_config
 
@@ -283,16 +284,19 @@ def test_qwen_recipe_262k_blocks_need_sequence_parallel_size_2_on_b300():
     assert qwen_recipe_plan(262144, 2).fits["B300"]
 
 
-def test_sequence_parallelism_keeps_tokens_per_device_and_divides_blocks_per_step_by_the_groups():
+def test_sequence_parallelism_keeps_the_recipes_global_batch_through_derived_accumulation():
+    # The recipe states global_batch_size: 8 blocks; SP 4 on 8 GPUs leaves 2 data-parallel groups, so 4 accumulation
+    # steps keep 262,144 tokens per step (a fixed accumulation would have shrunk it to 65,536).
     sp1, sp4 = qwen_recipe_plan(32768, 1), qwen_recipe_plan(32768, 4)
 
-    assert (sp1.sequences_per_step, sp4.sequences_per_step) == (8, 2)  # 8 data-parallel groups -> 2
-    assert sp4.tokens_per_step == 2 * 32768
-    # a quarter of the tokens per device, at the same FLOPs per token (attention over the whole block)
+    assert (sp1.sequences_per_step, sp4.sequences_per_step) == (8, 8)
+    assert sp1.tokens_per_step == sp4.tokens_per_step == 8 * 32768
+    # each device holds a quarter of each block's tokens, 4 times per step, at the same FLOPs per token (attention
+    # over the whole block): the same work per device per step
     assert sp4.flops_per_token == sp1.flops_per_token
-    assert sp4.seconds_per_step["H100"] == pytest.approx(sp1.seconds_per_step["H100"] / 4)
+    assert sp4.seconds_per_step["H100"] == pytest.approx(sp1.seconds_per_step["H100"])
     text = format_plan(sp4)
-    assert "1 seq/group x 32768 tokens x 1 accumulation x 2 groups = 2 sequences = 65,536 tokens" in text
+    assert "1 seq/group x 32768 tokens x 4 accumulation x 2 groups = 8 sequences = 262,144 tokens" in text
     assert "SP 4: 2 groups of 4 devices share each block, 8,192 tokens per device" in text
 
 

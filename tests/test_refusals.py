@@ -58,3 +58,32 @@ def test_under_accelerate_launch_one_rank_prints_and_every_rank_exits_2(tmp_path
     codes = re.findall(r"exitcode  : (-?\d+)", result.stderr)
     assert "2" in codes and set(codes) <= {"2", "-15"}, codes
     assert not _own_traceback(result.stderr)
+
+
+def _refusal(path, overrides=()) -> str:
+    from sft_recipes.config import load_recipe
+
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path, list(overrides))
+    return str(err.value)
+
+
+def test_the_most_common_refusals_end_with_what_to_do(tmp_path):
+    """The problem first, the fix last: the end of the line is what a user reads after a wall of logs."""
+    message = _refusal(tmp_path / "nope.yaml")
+    assert message.startswith(f"Recipe file not found: {tmp_path / 'nope.yaml'}. Pass the path of a recipe YAML: one of ")
+    assert message.endswith("recipes/tiny/llama8b.yaml, recipes/tiny/qwen27b.yaml.")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("max_steps: 4\n  learning_rate: 1\n")
+    assert _refusal(broken).endswith("Fix the YAML at the line and column named (one `key: value` per line).")
+    message = _refusal(TINY_LLAMA_RECIPE, ["--zzz_unheard_of", "1", "--learning_rate", "-1"])
+    assert "unknown key 'zzz_unheard_of': remove it, or use a field of DataArguments" in message
+    assert "'learning_rate' must be a finite number > 0, got -1" in message
+    assert message.endswith(f"Fix these in {TINY_LLAMA_RECIPE} or in the --key overrides.")
+    # The issue's example: an alpaca source in a packed mixture says what to change.
+    message = _refusal(TINY_LLAMA_RECIPE, ["--pack_blocks", "true", "--datasets",
+                                            "[{path: data/samples/alpaca.jsonl, dataset_format: alpaca}]",
+                                            "--dataset_name", "null"])
+    assert "has dataset_format 'alpaca'; pack_blocks packs chat conversations (messages or reasoning): set " \
+           "pack_blocks: false, or give this source as chat conversations" in message
+    assert message.endswith(f"Fix that key in {TINY_LLAMA_RECIPE} or its --key override.")

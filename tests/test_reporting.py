@@ -10,7 +10,9 @@ import yaml
 from huggingface_hub import ModelCard
 
 from sft_recipes.reporting.card import CardFacts, base_license, data_sources_from, last_logged, write_model_card
-from sft_recipes.reporting.curves import CURVES_FILE, TrainingCurvesCallback, series, write_training_curves
+from sft_recipes.reporting.curves import (
+    CURVES_FILE, TrainingCurvesCallback, draw_training_curves, series, write_training_curves,
+)
 from sft_recipes.reporting.export_check import ExportCheck
 from sft_recipes.reporting.hub import HubPush, files_to_upload, push_export, take_over_hub_push
 from sft_recipes.reporting.mlflow_artifacts import log_output_dir_artifacts
@@ -43,6 +45,16 @@ def test_series_reads_each_quantity_against_its_step():
 def test_curves_picture_is_a_png_of_three_panels(tmp_path):
     path = write_training_curves(LOG_HISTORY, tmp_path / "sub" / CURVES_FILE)
     assert png_size(path) == (800, 900)  # figsize 8 x 9 inches at 100 dpi
+
+
+def test_curves_of_a_run_resumed_near_its_end_tick_whole_steps():
+    import matplotlib.pyplot as plt
+
+    figure = draw_training_curves([{"step": 5, "loss": 0.68, "learning_rate": 1e-3}])  # resumed at 4, one step left
+    figure.canvas.draw()
+    ticks = figure.axes[-1].get_xticks()
+    plt.close(figure)
+    assert len(ticks) and all(float(tick).is_integer() for tick in ticks), ticks
 
 
 class State:

@@ -111,7 +111,7 @@ def test_the_packed_share_is_the_map_share_of_the_same_rows():
     """300 rows, 30 bad up front, 81 of the other 270 dropped by the masking: 37% either way."""
     mapped = DataReport("x", rows=300)
     mapped.dropped["unknown_role"] = 30
-    mapped.count_masking({"prefix_mismatch": 81}, trainable_tokens=1000)
+    mapped.count_masking({"prefix_mismatch": 81}, supervised_tokens=1000)
     packed = DataReport("x", rows=300)
     packed.dropped["unknown_role"] = 30
     with pytest.raises(RecipeError) as refusal:

@@ -1,10 +1,16 @@
-"""The recipe schema: one flat YAML mapped onto TRL's dataclasses plus ours, with CLI overrides.
+"""The recipe schema: one flat YAML mapped onto TRL's dataclasses plus ours, with overrides.
 
 A recipe key belongs to exactly one of `DataArguments`, `ModelArguments` or `TrainingArguments`
-(TRL's `SFTConfig` extended); any key
-can be overridden with `--key value` after the recipe path. Unlike TRL's own parser, every unknown
-key is an error naming the closest valid keys, every value is type-checked against its field
-before anything heavy happens, and string values may use `${VAR}` / `${VAR:-default}`.
+(TRL's `SFTConfig` extended); any key can be overridden, from two sources that win in this order:
+
+    recipe YAML  <  HYPERPARAMETERS_PATH (a workload's `parameters:` block)  <  `--key value` / train(**kw)
+
+Databricks AI Runtime writes a workload's `parameters:` block to a YAML file and names it in
+HYPERPARAMETERS_PATH; it gets exactly the checks of the command line. Unlike TRL's own parser,
+every unknown key is an error naming the closest valid keys (and the file or flag that set it),
+every value is type- and range-checked against its field before anything heavy happens, all
+problems are reported at once, and string values may use `${VAR}` / `${VAR:-default}`.
+`Recipe.overrides` keeps which keys each source set, for the log, run_summary.json and MLflow.
 """
 
 from __future__ import annotations
@@ -203,6 +209,9 @@ RECIPE_DATACLASSES = (DataArguments, ModelArguments, TrainingArguments)
 # Keys that must never be written into a recipe: they would end up in saved training arguments.
 SECRET_KEYS = {"hub_token": "HF_TOKEN"}
 
+# Where Databricks AI Runtime writes a workload's `parameters:` block (a YAML mapping of recipe keys).
+PARAMETERS_ENV = "HYPERPARAMETERS_PATH"
+
 _ENV_PATTERN = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -213,6 +222,9 @@ class Recipe:
     training: TrainingArguments
     source: Path
     values: dict[str, Any]  # the merged, interpolated key/values, for logging and planning
+    # The keys each override source set, with their values: {"parameters": {...}, "command_line": {...}}
+    # (sources that set nothing are left out; a key set by both appears under both, the later one won).
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _field_owners() -> dict[str, list[type]]:
@@ -337,28 +349,57 @@ def read_recipe_file(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         nearby = sorted(p.as_posix() for p in Path("recipes").rglob("*.yaml")) if Path("recipes").is_dir() else []
-        hint = f" Available recipes: {', '.join(nearby)}." if nearby else ""
-        raise RecipeError(f"Recipe file not found: {path}.{hint}")
+        hint = f": one of {', '.join(nearby)}" if nearby else ", e.g. recipes/tiny/llama8b.yaml"
+        raise RecipeError(f"Recipe file not found: {path}. Pass the path of a recipe YAML{hint}.")
     try:
         values = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise RecipeError(f"{path} is not valid YAML: {err}") from None
+        raise RecipeError(f"{path} is not valid YAML: {' '.join(str(err).split())}. Fix the YAML at the line and column "
+                          "named (one `key: value` per line).") from None
     if not isinstance(values, dict):
-        raise RecipeError(f"{path} must be a mapping of key: value, got {type(values).__name__}.")
+        raise RecipeError(f"{path} must be a mapping of key: value, got {type(values).__name__}: write one "
+                          "`key: value` per line, as in recipes/tiny/llama8b.yaml.")
     return values
 
 
+def read_parameters_file() -> tuple[dict[str, Any], str | None]:
+    """The overrides in the file HYPERPARAMETERS_PATH names, and how to name it in a message ({}, None: unset)."""
+    path = os.environ.get(PARAMETERS_ENV)
+    if not path:
+        return {}, None
+    origin = f"{PARAMETERS_ENV}={path}"
+    if not Path(path).is_file():
+        raise RecipeError(f"{origin} names no file: point it at the YAML of the workload's `parameters:` block, "
+                          f"or unset {PARAMETERS_ENV}.")
+    try:
+        values = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{origin} is not valid YAML: {err}") from None
+    if values is None:  # an empty `parameters:` block
+        return {}, origin
+    if not isinstance(values, dict):
+        raise RecipeError(f"{origin} must be a mapping of recipe key: value (the workload's `parameters:` block), "
+                          f"got {type(values).__name__}.")
+    return values, origin
+
+
 def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] | None = None,
-                planning: bool = False) -> Recipe:
+                planning: bool = False, overrides_source: str = "command_line") -> Recipe:
     """Parse, interpolate, validate and build the dataclasses of one recipe. Raises RecipeError.
 
+    `overrides`: `--key value` tokens or a dict, winning over the recipe and over HYPERPARAMETERS_PATH;
+    `overrides_source` names them in `Recipe.overrides` (train() passes "keyword_arguments").
     `planning`: validate a GPU recipe on a machine without a GPU (dry runs, tests) -- the
     TrainingArguments are built with `use_cpu`, which TrainingArguments demands there for bf16;
     `values` still holds what the recipe says.
     """
     values = read_recipe_file(path)
+    parameters, parameters_origin = read_parameters_file()
     cli = parse_cli_overrides(overrides) if isinstance(overrides, list) else dict(overrides or {})
+    values.update(parameters)
     values.update(cli)
+    sources = {"parameters": parameters, overrides_source: cli}
+    set_by = {**{key: f" (set in {parameters_origin})" for key in parameters}, **{key: "" for key in cli}}
 
     missing_env: list[str] = []
     values = {key: interpolate_env(value, missing_env) for key, value in values.items()}
@@ -371,23 +412,28 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
         problems.append(f"environment variable(s) {names} are not set: export them or write ${{VAR:-default}}")
     kwargs: dict[type, dict[str, Any]] = {cls: {} for cls in RECIPE_DATACLASSES}
     for key, value in values.items():
+        origin = set_by.get(key, "")  # names the parameters file when the key came from there
         if key in SECRET_KEYS:
-            problems.append(f"'{key}' must not be written in a recipe: set the {SECRET_KEYS[key]} environment variable")
+            problems.append(f"'{key}' must not be written in a recipe{origin}: set the {SECRET_KEYS[key]} "
+                            "environment variable")
             continue
         if key not in owners:
             close = difflib.get_close_matches(key, owners.keys(), n=3, cutoff=0.6)
-            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            problems.append(f"unknown key '{key}'{hint}")
+            hint = (f"; did you mean {', '.join(repr(c) for c in close)}?" if close else
+                    ": remove it, or use a field of DataArguments, ModelArguments or TrainingArguments "
+                    "(src/sft_recipes/config.py)")
+            problems.append(f"unknown key '{key}'{origin}{hint}")
             continue
         for cls in owners[key]:
             try:
                 kwargs[cls][key] = _coerce(value, hints[cls][key])
             except TypeError as err:
-                problems.append(f"'{key}' must be {err}, got {value!r} ({type(value).__name__})")
+                problems.append(f"'{key}' must be {err}, got {value!r} ({type(value).__name__}){origin}")
                 break
-    problems += range_problems({key: value for typed in kwargs.values() for key, value in typed.items()})
+        else:
+            problems += [problem + origin for problem in range_problems({key: kwargs[owners[key][0]][key]})]
     if problems:
-        raise RecipeError(f"{path}: " + "; ".join(problems) + ".")
+        raise RecipeError(f"{path}: " + "; ".join(problems) + f". Fix these in {path} or in the --key overrides.")
 
     if planning and "use_cpu" not in values:
         kwargs[TrainingArguments]["use_cpu"] = True
@@ -396,6 +442,9 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
         try:
             built.append(cls(**kwargs[cls]))
         except (ValueError, TypeError) as err:
-            raise RecipeError(f"{path}: {cls.__name__} rejected the recipe: {err}") from None
+            raise RecipeError(f"{path}: {cls.__name__} rejected the recipe: {str(err).rstrip('.')}. Fix that key in "
+                              f"{path} or its --key override.") from None
     data, model, training = built
-    return Recipe(data=data, model=model, training=training, source=Path(path), values=values)
+    return Recipe(data=data, model=model, training=training, source=Path(path), values=values,
+                  overrides={name: {key: interpolate_env(value, []) for key, value in given.items()}
+                             for name, given in sources.items() if given})

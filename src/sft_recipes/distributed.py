@@ -132,7 +132,7 @@ def verify_distributed(trainer) -> str:
             )
     if problems:
         raise RecipeError(
-            "Refusing to train: " + "; ".join(problems) + ". Launch with `accelerate launch --config_file "
+            "Refusing to train: " + "; ".join(problems) + ". Launch with `.venv/bin/accelerate launch --config_file "
             "accelerate_configs/<config>.yaml scripts/sft.py RECIPE` (on CPU, scripts/sft.py enables FSDP "
             "through sft_recipes.distributed.enable_cpu_fsdp), and check num_processes/num_machines there."
         )

@@ -197,7 +197,9 @@ def export_run(trainer, model_args, output_dir: str | Path, load_base: Callable[
             moved = [str(set_export_aside(output_dir, before, err.reason))]
         broadcast_object_list(moved, from_process=0)
         raise ExportCheckError(f"{err} Its files were moved to {moved[0]}/ so that nothing in {output_dir} can be "
-                               "taken for a result; re-export from the last checkpoint.", err.reason) from None
+                               "taken for a result. The checkpoints in it are untouched; this is a defect of the export, not of the "
+                               "recipe: report it with that folder (and keep training from the checkpoints if "
+                               "you need to).", err.reason) from None
 
 
 def _export_and_check(trainer, model_args, output_dir: Path, load_base: Callable[[], torch.nn.Module],

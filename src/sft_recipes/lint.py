@@ -52,14 +52,16 @@ def activation_checkpointing_twice(recipe: Recipe, ctx: LintContext) -> str | No
 def trl_packing_with_block_packing(recipe: Recipe, ctx: LintContext) -> str | None:
     t = recipe.training
     if recipe.data.pack_blocks and (t.packing or t.padding_free):
-        return ("pack_blocks packs with the project's block-diagonal collator; TRL's own `packing`/`padding_free` must "
-                "then be false (TRL refuses a custom collator with padding-free)")
+        return ("pack_blocks packs with the project's block-diagonal collator, so TRL's own `packing`/`padding_free` must "
+                "then be false (TRL refuses a custom collator with padding-free): set packing: false and "
+                "padding_free: false, or pack_blocks: false")
     return None
 
 
 def block_packing_needs_chat_data(recipe: Recipe, ctx: LintContext) -> str | None:
     if recipe.data.pack_blocks and recipe.data.dataset_format not in CHAT_FORMATS:
-        return f"pack_blocks needs a chat dataset_format, one of {CHAT_FORMATS} (got {recipe.data.dataset_format!r})"
+        return (f"pack_blocks needs a chat dataset_format, one of {CHAT_FORMATS} (got {recipe.data.dataset_format!r}): "
+                "set pack_blocks: false, or give the data as chat conversations (dataset_format: messages)")
     return None
 
 
@@ -149,8 +151,13 @@ def mixed_precision_differs_from_launch(recipe: Recipe, ctx: LintContext) -> str
 def batch_the_world_cannot_produce(recipe: Recipe, ctx: LintContext) -> str | None:
     t = recipe.training
     if (t.global_batch_size or t.global_batch_tokens) and "gradient_accumulation_steps" in recipe.values:
-        return ("the recipe sets both a global batch and gradient_accumulation_steps; drop gradient_accumulation_steps "
-                "(it is derived from the global batch and the world size)")
+        stated = (f"global_batch_size: {t.global_batch_size}" if t.global_batch_size
+                  else f"global_batch_tokens: {t.global_batch_tokens}")
+        # The shipped recipes state their global batch so that SP, HSDP and node counts keep the experiment; a fixed
+        # accumulation beside it would change the batch on another layout, silently, so it is refused.
+        return (f"the recipe states its global batch ({stated}) and gradient_accumulation_steps is set too, which "
+                "would change it on another layout; drop gradient_accumulation_steps (it is derived from the global "
+                "batch and the world size), or pass --global_batch_size N to train another global batch")
     if ctx.world_size % t.sequence_parallel_size:
         return None  # sequence_parallel_size_not_dividing_the_world says so
     try:
@@ -168,7 +175,7 @@ def sequence_parallel_with_trl_packing(recipe: Recipe, ctx: LintContext) -> str 
     t = recipe.training
     if _sequence_parallel(recipe) and (t.packing or t.padding_free):
         return ("sequence_parallel_size > 1 shards the project's packed blocks; TRL's own `packing`/`padding_free` "
-                "must be false (use `pack_blocks: true`)")
+                "must be false: set packing: false and padding_free: false, with `pack_blocks: true`")
     return None
 
 
@@ -235,7 +242,7 @@ def sequence_parallel_without_global_token_count(recipe: Recipe, ctx: LintContex
 def activation_offloading_without_accelerator(recipe: Recipe, ctx: LintContext) -> str | None:
     # TRL's OffloadActivations asks torch.accelerator.current_accelerator().type, None on a CPU-only machine.
     if recipe.training.activation_offloading and not ctx.has_accelerator:
-        return "activation_offloading moves activations from an accelerator to the host; set it false on CPU"
+        return "activation_offloading moves activations from an accelerator to the host; set activation_offloading: false on CPU"
     return None
 
 

@@ -44,7 +44,7 @@ def read_model_config(model_name_or_path: str | Path, revision: str | None = Non
             raise
         raise RecipeError(
             f"{name} is not in the Hugging Face cache and the planner never downloads: run "
-            f"`hf download {name} config.json` or point model_name_or_path at a local directory."
+            f"`.venv/bin/hf download {name} config.json` or point model_name_or_path at a local directory."
         ) from error
 
 

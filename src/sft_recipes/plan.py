@@ -53,19 +53,18 @@ root unit's reduce-scatter at the end of backward.
 from __future__ import annotations
 
 import json
-import os
-import re
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
-import yaml
 from transformers import PretrainedConfig
 
 from sft_recipes.batching import derive_gradient_accumulation
+from sft_recipes.communication import Links
 from sft_recipes.errors import RecipeError
+from sft_recipes.launch import AccelerateConfig, config_for_recipe, header_accelerate_config, planned_world_size
+from sft_recipes.layouts import LayoutReport, format_layouts, layout_report, shard_group_shortfall
 from sft_recipes.loading import DTYPES, read_model_config
 from sft_recipes.model_math import (
     GPU_BY_NAME, GPUS, ParamCounts, attention_flops_per_token, count_parameters, flops_per_token, head_dim,
@@ -126,16 +125,20 @@ class TrainingSetup:
     sequence_parallel_size: int = 1  # ranks sharing each block (Ulysses): each holds seq_len / N of its tokens
     activation_offloading: bool = False  # TRL's saved-tensor hooks: activations wait for backward on the host
     eval_micro_batch_size: int | None = None  # sequences per device per eval forward; None: the run does not evaluate
+    replicate_size: int = 1  # HSDP: parameters sharded over world_size / replicate_size ranks, replicated this often
 
     def __post_init__(self) -> None:
         for name in ("world_size", "micro_batch_size", "seq_len", "gradient_accumulation_steps",
-                     "sequence_parallel_size"):
+                     "sequence_parallel_size", "replicate_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}: fix the recipe.")
         sp = self.sequence_parallel_size
         if self.world_size % sp or self.seq_len % sp:
             raise ValueError(f"sequence_parallel_size={sp} must divide the world size ({self.world_size}) and the "
                              f"block length ({self.seq_len}): choose another size or max_length.")
+        if self.world_size % self.replicate_size:
+            raise ValueError(f"replicate_size={self.replicate_size} must divide the world size ({self.world_size}): "
+                             "parallelism_config_dp_replicate_size x dp_shard_size must equal num_processes.")
         if not 0 < self.mfu <= 1:
             raise ValueError(f"mfu must be in (0, 1], got {self.mfu}: pass a fraction such as 0.4.")
         if self.loss_implementation not in ("fused_lm_head", "full_logits"):
@@ -149,6 +152,11 @@ class TrainingSetup:
     def tokens_per_rank(self) -> int:
         """Tokens of a micro-batch one rank holds: its 1/N of each block under sequence parallelism."""
         return self.tokens_per_micro_batch // self.sequence_parallel_size
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one parameter is sharded over: the world (flat FSDP) or one HSDP replica."""
+        return self.world_size // self.replicate_size
 
     @property
     def data_parallel_size(self) -> int:
@@ -385,9 +393,11 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Peak memory per GPU under FSDP2 full shard (see the module docstring for each component).
 
-    ``cuda_context_gib=0`` drops the fixed allowance (a CPU run has no CUDA context or NCCL).
+    Sharded state is divided by the shard group (`TrainingSetup.shard_size`): the world under flat FSDP,
+    one replica under HSDP. ``cuda_context_gib=0`` drops the fixed allowance (a CPU run has no CUDA
+    context or NCCL).
     """
-    ws = setup.world_size
+    ws = setup.shard_size
     weights_b, compute_b, reduce_b = map(_bytes, (setup.weights_dtype, setup.compute_dtype, setup.reduce_dtype))
     trainable_b = 4 if setup.fp32_master_weights else weights_b
     # FSDP2 casts unsharded gradients to reduce_dtype into a second buffer before reduce-scatter
@@ -660,86 +670,12 @@ def format_plan(plan: Plan) -> str:
 # --------------------------------------------------------------------------------------------
 # The recipe and the launcher -> a plan (`--dry-run`)
 
-# What `accelerate launch` exports from a config file, for the rules that read the environment.
-_LAUNCH_ENV = {
-    "fsdp_activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
-    "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS",
-    "fsdp_version": "FSDP_VERSION",
-}
-_HEADER_CONFIG = re.compile(r"accelerate_configs/[\w.-]+\.yaml")
-
-
-def read_accelerate_config(path: str | os.PathLike) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"accelerate config not found: {path} (see accelerate_configs/).")
-    return yaml.safe_load(path.read_text()) or {}
-
-
-def accelerate_config_for_plan(config_file: str | None, recipe_path: str | os.PathLike) -> dict | None:
-    """--config_file, else the config named in the recipe header's launch command -- said loudly either way.
-
-    Planning without the config would drop what only the config holds (activation checkpointing,
-    mixed precision): Qwen at 32k then shows ~670 GiB per GPU instead of what the launch would use.
-    """
-    if config_file:
-        return read_accelerate_config(config_file)
-    named = header_accelerate_config(recipe_path)
-    if named is None:
-        if Path(recipe_path).is_file():  # else load_recipe reports the missing recipe
-            print(f"warning: --dry-run without --config_file and {recipe_path} names no accelerate config in its "
-                  "header: planned without one (no FSDP activation checkpointing; precision from the recipe alone)",
-                  file=sys.stderr)
-        return None
-    print(f"note: --dry-run without --config_file: using {named}, the config of the launch command in "
-          f"{recipe_path}'s header (pass --config_file to plan another)", file=sys.stderr)
-    return read_accelerate_config(named)
-
-
-def header_accelerate_config(recipe_path: str | os.PathLike) -> Path | None:
-    """The first accelerate_configs/*.yaml named in the recipe's leading comment block, found from the cwd or the recipe up."""
-    recipe_path = Path(recipe_path)
-    if not recipe_path.is_file():
-        return None
-    header = []
-    for line in recipe_path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        header.append(line)
-    match = _HEADER_CONFIG.search("\n".join(header))
-    if match is None:
-        return None
-    for root in (Path.cwd(), *recipe_path.resolve().parents):
-        if (root / match.group(0)).is_file():
-            return root / match.group(0) if root != Path.cwd() else Path(match.group(0))
-    return Path(match.group(0))  # read_accelerate_config names it as missing
-
-
-def export_launch_environment(accelerate_config: dict) -> None:
-    """Set the variables `accelerate launch --config_file` would, so lint sees the same run."""
-    fsdp = accelerate_config.get("fsdp_config") or {}
-    if accelerate_config.get("distributed_type") == "FSDP":
-        os.environ["ACCELERATE_USE_FSDP"] = "true"
-    for key, env in _LAUNCH_ENV.items():
-        if key in fsdp:
-            os.environ[env] = str(fsdp[key]).lower()
-    if "mixed_precision" in accelerate_config:
-        os.environ["ACCELERATE_MIXED_PRECISION"] = str(accelerate_config["mixed_precision"]).lower()
-
-
-def planned_world_size(accelerate_config: dict | None, world_size: int | None) -> int:
-    if world_size:
-        return world_size
-    if accelerate_config and accelerate_config.get("num_processes"):
-        return int(accelerate_config["num_processes"])
-    raise RecipeError("--dry-run needs the world size: pass --config_file accelerate_configs/<config>.yaml or --world_size N.")
-
-
-def training_setup(recipe: Recipe, accelerate_config: dict | None, world_size: int,
-                   dataset_sequences: int | None = None) -> TrainingSetup:
+def training_setup(recipe: Recipe, accelerate_config: AccelerateConfig | None, world_size: int,
+                   dataset_sequences: int | None = None, replicate_size: int = 1) -> TrainingSetup:
     m, t = recipe.model, recipe.training
-    fsdp = (accelerate_config or {}).get("fsdp_config") or {}
-    mixed_precision = (accelerate_config or {}).get("mixed_precision", "bf16" if t.bf16 else "no")
+    fsdp = accelerate_config.fsdp if accelerate_config else {}
+    # A config without mixed_precision leaves it to the recipe (TrainingArguments' bf16 sets it for accelerate).
+    mixed_precision = str((accelerate_config or {}).get("mixed_precision") or ("bf16" if t.bf16 else "no")).lower()
     compute = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     accumulation, _ = derive_gradient_accumulation(t, world_size)  # counts sequence-parallel groups itself
     return TrainingSetup(
@@ -758,22 +694,33 @@ def training_setup(recipe: Recipe, accelerate_config: dict | None, world_size: i
         activation_offloading=t.activation_offloading,
         eval_micro_batch_size=t.per_device_eval_batch_size if recipe.data.eval_datasets or recipe.data.test_split_size
         else None,
+        replicate_size=replicate_size,
     )
 
 
-def plan_recipe(recipe: Recipe, accelerate_config: dict | None, world_size: int,
-                dataset_sequences: int | None = None) -> Plan:
+def plan_recipe(recipe: Recipe, accelerate_config: AccelerateConfig | None, world_size: int,
+                dataset_sequences: int | None = None, replicate_size: int = 1) -> Plan:
     lora = None
     if recipe.model.use_peft:
         from sft_recipes.lora import build_lora_config
 
         lora = build_lora_config(recipe.model)
     config = read_model_config(recipe.model.model_name_or_path, recipe.model.model_revision, download=False)
-    return make_plan(config, training_setup(recipe, accelerate_config, world_size, dataset_sequences), lora)
+    return make_plan(config, training_setup(recipe, accelerate_config, world_size, dataset_sequences, replicate_size), lora)
+
+
+def launch_mesh(accelerate_config: AccelerateConfig | None, world_size: int) -> tuple[int, int]:
+    """(nodes, HSDP replicas) of the launch: the config's processes per node kept when --world_size
+    changes the total (8-GPU nodes without a config), and its parallelism_config replicate size."""
+    per_node = accelerate_config.processes_per_node if accelerate_config else 8
+    nodes = world_size // per_node if world_size % per_node == 0 else 1
+    parallelism = accelerate_config.parallelism if accelerate_config else None
+    return max(nodes, 1), parallelism.dp_replicate if parallelism else 1
 
 
 def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None = None,
-                 world_size: int | None = None, plan_json: str | None = None) -> str:
+                 world_size: int | None = None, plan_json: str | None = None, gpu: str = "H100",
+                 intra_node_gbps: float | None = None, inter_node_gbps: float | None = None) -> str:
     """`scripts/sft.py RECIPE --dry-run`: lint the run a launch would make and return its plan, as text.
 
     RecipeError for anything that stops the plan (the recipe, the launcher's settings, the model's config).
@@ -782,25 +729,56 @@ def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None
     from sft_recipes.data.mixture import has_images
     from sft_recipes.lint import LintContext, lint_recipe
 
-    accelerate_config = accelerate_config_for_plan(config_file, recipe_path)
+    accelerate_config = config_for_recipe(config_file, recipe_path)
     if accelerate_config:
-        export_launch_environment(accelerate_config)
+        accelerate_config.export()
     world_size = planned_world_size(accelerate_config, world_size)
     recipe = load_recipe(recipe_path, overrides, planning=True)
     model_args = recipe.model
     lint_recipe(recipe, LintContext(world_size, not recipe.values.get("use_cpu"), lambda: read_model_config(
         model_args.model_name_or_path, model_args.model_revision, download=False)))
+    nodes, replicate = launch_mesh(accelerate_config, world_size)
     try:
-        plan = plan_recipe(recipe, accelerate_config, world_size)
+        plan = plan_recipe(recipe, accelerate_config, world_size, replicate_size=replicate)
+        layouts = plan_layouts(recipe, plan, accelerate_config, config_file or header_accelerate_config(recipe_path),
+                               nodes, gpu, intra_node_gbps, inter_node_gbps)
     except ValueError as err:  # the model's config, or sizes the planner cannot take
         raise RecipeError(str(err)) from None
-    text = format_plan(plan)
+    command = f"accelerate launch --config_file {config_file or header_accelerate_config(recipe_path) or 'CONFIG'} " \
+              f"scripts/sft.py {recipe_path} {' '.join(overrides)}".rstrip()
+    text = format_plan(plan) + "\n" + format_layouts(layouts, command)
     if has_images(recipe.data):  # what the tower and the images add (vision_plan.py)
         from sft_recipes.vision_plan import vision_plan_lines
 
         config = read_model_config(model_args.model_name_or_path, model_args.model_revision, download=False)
         text = "\n".join([*vision_plan_lines(recipe, config, world_size), text])
     if plan_json:
-        Path(plan_json).write_text(plan.to_json())
+        Path(plan_json).write_text(json.dumps({**plan.to_dict(), **layouts.to_dict()}, indent=2))
         text += f"\nplan written to {plan_json}"
     return text
+
+
+def plan_layouts(recipe: Recipe, plan: Plan, accelerate_config: AccelerateConfig | None, config_name: str | Path | None,
+                 nodes: int, gpu: str, intra_node_gbps: float | None, inter_node_gbps: float | None) -> LayoutReport:
+    """The communication, FSDP-vs-HSDP and what-to-change part of the dry run; refuses an HSDP shard group
+    that cannot hold the run on ``gpu`` (the shortfall and the smallest shard size that fits)."""
+    config = read_model_config(recipe.model.model_name_or_path, recipe.model.model_revision, download=False)
+    links = Links.for_gpu(gpu, intra_node_gbps, inter_node_gbps)
+    setup = plan.setup
+    if setup.replicate_size > 1:
+        shortfall = shard_group_shortfall(config, plan.counts, setup, gpu)
+        if shortfall is not None:
+            fix = (f"the smallest shard size that fits is {shortfall.smallest_fitting_shard} "
+                   f"(parallelism_config_dp_shard_size: {shortfall.smallest_fitting_shard}, "
+                   f"parallelism_config_dp_replicate_size: {setup.world_size // shortfall.smallest_fitting_shard})"
+                   if shortfall.smallest_fitting_shard else
+                   "no shard size fits either, flat FSDP over all ranks included: see the plan without "
+                   "parallelism_config for what to change")
+            raise RecipeError(f"HSDP shard group of {setup.shard_size} GPUs cannot hold this run on {gpu}: "
+                              f"{shortfall.needed_gib:.1f} GiB per GPU, {shortfall.shortfall_gib:.1f} GiB more than "
+                              f"its {shortfall.available_gib:.1f}; {fix}.")
+    fsdp = accelerate_config.fsdp if accelerate_config else {}
+    reshard = str(fsdp.get("fsdp_reshard_after_forward", True)).lower() == "true"
+    t = recipe.training
+    return layout_report(config, plan.counts, setup, nodes, gpu, links, str(config_name) if config_name else None,
+                         t.global_batch_size is not None or t.global_batch_tokens is not None, reshard)

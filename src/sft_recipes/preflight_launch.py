@@ -6,7 +6,8 @@ Run by scripts/launch_multinode.sh and the GPU Makefile targets before `accelera
 it, a GPU recipe on a laptop starts one process per configured GPU, each fails with transformers'
 "Your setup doesn't support bf16/gpu", and torchrun prints a wall of tracebacks. Exits 2 with one
 `error:` line naming what is missing and what to run instead; 0 when the launch can go ahead.
-Reads only the two YAML files and the GPU count (about a second; nothing of the run is imported).
+Reads only the two YAML files and the GPU count (about a second; nothing of the run is imported); what
+the config launches is `sft_recipes.launch`'s.
 """
 
 from __future__ import annotations
@@ -17,22 +18,7 @@ from pathlib import Path
 
 import yaml
 
-GPU_PRECISIONS = ("bf16", "fp16")
-
-
-def gpus_needed(accelerate_config: dict, recipe: dict, processes_per_node: int | None) -> tuple[int, str]:
-    """(GPUs this node needs, why) -- (0, "") for a CPU run (mixed_precision 'no' and a recipe without bf16/fp16)."""
-    if recipe.get("use_cpu") or accelerate_config.get("use_cpu"):
-        return 0, ""
-    reasons = []
-    if str(accelerate_config.get("mixed_precision", "no")).lower() in GPU_PRECISIONS:
-        reasons.append(f"mixed_precision: {accelerate_config['mixed_precision']}")
-    reasons += [f"{key}: true" for key in GPU_PRECISIONS if recipe.get(key) is True]
-    if not reasons:
-        return 0, ""
-    machines = int(accelerate_config.get("num_machines") or 1)
-    per_node = processes_per_node or int(accelerate_config.get("num_processes") or 1) // machines
-    return per_node, ", ".join(reasons)
+from sft_recipes.launch import gpus_needed, read_accelerate_config
 
 
 def preflight(config_path: str, recipe_path: str, processes_per_node: int | None, gpu_count: int) -> str | None:
@@ -40,15 +26,14 @@ def preflight(config_path: str, recipe_path: str, processes_per_node: int | None
     for path in (config_path, recipe_path):
         if not Path(path).is_file():
             return f"{path} not found"
-    accelerate_config = yaml.safe_load(Path(config_path).read_text()) or {}
     recipe = yaml.safe_load(Path(recipe_path).read_text()) or {}
-    needed, why = gpus_needed(accelerate_config, recipe, processes_per_node)
+    needed, why = gpus_needed(read_accelerate_config(config_path), recipe, processes_per_node)
     if gpu_count >= needed:
         return None
     have = "no GPU" if gpu_count == 0 else f"{gpu_count} GPU(s)"
     return (f"{config_path} + {recipe_path} need {needed} GPU(s) on this node ({why}) and this machine has {have}; "
             f"to try the recipes here run `make demo` (its tiny twin on 2 CPU processes), to see this run's plan "
-            f"`python scripts/sft.py {recipe_path} --dry-run --config_file {config_path}`")
+            f"`.venv/bin/python scripts/sft.py {recipe_path} --dry-run --config_file {config_path}`")
 
 
 def main(argv: list[str] | None = None) -> int:

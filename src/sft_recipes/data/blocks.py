@@ -224,7 +224,8 @@ class StreamStats:
     def describe(self) -> str:
         dropped = ", ".join(f"{count} {reason}" for reason, count in sorted(self.dropped.items())) or "none"
         return (f"{self.conversations:,} conversations read (dropped: {dropped}), {self.blocks:,} blocks, "
-                f"packing efficiency {self.packing_efficiency:.2%}, {self.supervised_tokens:,} supervised tokens")
+                f"packing efficiency {self.packing_efficiency:.2%}, {self.supervised_tokens:,} supervised tokens in those "
+                "blocks (the data report counts each conversation whole when read, the last one read included)")
 
 
 class RankLocalBlockStream(TorchIterableDataset):
@@ -396,7 +397,7 @@ class StopWhenAnyRankExhausted(TrainerCallback):
                     "Refusing to go on: the packed stream ended before any rank trained on a supervised token, so "
                     f"the dataset has nothing to learn (this rank: {self.trained.describe()}). Streamed rows that "
                     "break the dataset_format rules are dropped as they are read: check dataset_name and "
-                    "dataset_format, and look at the rows with `scripts/sft.py RECIPE --audit-data 5`."
+                    "dataset_format, and look at the rows with `.venv/bin/python scripts/sft.py RECIPE --audit-data 5`."
                 )
             control.should_training_stop = True
             control.should_save = True

@@ -5,6 +5,9 @@ rules, how its rows become what SFTTrainer trains on, and the length policy, cou
   it (tested); completion-only loss;
 - text: plain text, every token trained (tokenized as TRL does);
 - messages: chat conversations, rendered and tokenized once with assistant-only masks (`masking.py`);
+- alpaca_chat: alpaca rows read as user/assistant conversations (the instruction, then its input, as the
+  user turn; the output as the assistant turn), then trained exactly as messages: the model's chat
+  template, assistant-only loss, packable. A mixture of alpaca and chat sources trains one prompt style;
 - reasoning: messages whose assistant turns carry `thinking`, checked first to be trained;
 - vision_messages: TRL's image + text chat shape, packed with each example's own mRoPE positions (`vision.py`).
 
@@ -84,13 +87,18 @@ class DatasetFormat:
         changes between rows would break Arrow)."""
         return {column: row.get(column) for column in self.columns}
 
+    def as_trained(self, rows: Dataset | IterableDataset) -> Dataset | IterableDataset:
+        """The rows in the shape this format trains them, after its row rules and the held-out split (which
+        therefore see the rows as read); most formats train them as read."""
+        return rows
+
     def check_trainable(self, rows, tokenizer: PreTrainedTokenizerBase, tokenization: Tokenization) -> None:
         """RecipeError when the rows, as this run tokenizes them, would not train what the format promises."""
 
     def to_tokens(self, rows: Dataset | IterableDataset, tokenizer: PreTrainedTokenizerBase,
                   tokenization: Tokenization, report: DataReport) -> Dataset | IterableDataset:
         """`input_ids` + `labels` rows (-100 where nothing is learned) after the length policy, cut to max_length;
-        drops and trainable tokens go to `report`."""
+        drops and supervised tokens go to `report`."""
         raise NotImplementedError
 
 
@@ -150,10 +158,10 @@ class _TokenizedAsTrl(DatasetFormat):
                     report.drop(NO_TRAINABLE_TOKENS, f"row {index} (every target past max_length {max_length})",
                                 rows[index])
                     continue
-                trainable += left
+                trainable += left - (left > 0 and targets == length)  # a labelled first token is no loss target
                 report.truncated += length > max_length
                 keep.append(index)
-        report.trainable_tokens = trainable
+        report.kept_supervised_tokens = trainable
         return rows.select(keep) if len(keep) < len(rows) else rows
 
 
@@ -255,6 +263,35 @@ class ChatFormat(DatasetFormat):
         )
 
 
+def alpaca_conversation(instruction: str | None, context: str | None, output: str | None) -> list[dict[str, str]]:
+    """One alpaca row as a user/assistant conversation: the input, when there is one, follows the instruction
+    after a blank line. A row flagged bad by its row rules (values None) becomes no conversation."""
+    if instruction is None or output is None:
+        return []
+    question = instruction + (f"\n\n{context}" if context else "")
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": output}]
+
+
+class AlpacaChatFormat(ChatFormat):
+    name = "alpaca_chat"
+    description = "instruction/input/output as a user/assistant conversation: chat template, assistant-only loss"
+    required = AlpacaFormat.required
+    optional = AlpacaFormat.optional
+
+    def row_problem(self, row):
+        return AlpacaFormat.row_problem(self, row)
+
+    def as_trained(self, rows):
+        def conversations(batch: dict[str, list]) -> dict[str, list]:
+            contexts = batch.get("input") or [None] * len(batch["instruction"])
+            return {"messages": [alpaca_conversation(*values)
+                                 for values in zip(batch["instruction"], contexts, batch["output"])]}
+
+        present = rows.column_names  # None: a stream that knows its columns only from its rows (all of ours)
+        return rows.map(conversations, batched=True,
+                        remove_columns=[c for c in self.columns if present is None or c in present])
+
+
 class ReasoningFormat(ChatFormat):
     name = "reasoning"
     description = "chat whose assistant turns carry `thinking`, checked to be trained"
@@ -299,12 +336,14 @@ def _truncated(batch: dict[str, list], max_length: int) -> dict[str, list]:
 
 
 def supervised_tokens(dataset: Dataset) -> int:
-    """Sum of `assistant_masks` over the rows, in Arrow: no token goes through Python."""
+    """The loss's targets: `assistant_masks` summed after each row's first token (nothing predicts it), in Arrow:
+    no token goes through Python."""
     batches = dataset.with_format("arrow").iter(batch_size=10_000)
-    return sum(pc.sum(pc.list_flatten(batch.column("assistant_masks"))).as_py() or 0 for batch in batches)
+    return sum(pc.sum(pc.list_flatten(pc.list_slice(batch.column("assistant_masks"), 1))).as_py() or 0
+               for batch in batches)
 
 
 FORMATS: dict[str, DatasetFormat] = {fmt.name: fmt for fmt in
-                                     (AlpacaFormat(), ChatFormat(), ReasoningFormat(), TextFormat(),
-                                                                VisionMessagesFormat())}
+                                     (AlpacaFormat(), AlpacaChatFormat(), ChatFormat(), ReasoningFormat(), TextFormat(),
+                                      VisionMessagesFormat())}
 CHAT_FORMATS = tuple(name for name, fmt in FORMATS.items() if fmt.chat)

@@ -90,7 +90,8 @@ def check_data_sources(data_args) -> None:
         problems.append("max_train_samples caps a single dataset; in a mixture give each source a fraction")
     size = data_args.test_split_size
     if size is not None and not 0 < size < 1:
-        problems.append(f"test_split_size is the share of rows held out for eval, in (0, 1); got {size}")
+        problems.append(f"test_split_size is the share of rows held out for eval, in (0, 1); got {size}: set e.g. "
+                        "test_split_size: 0.05")
     if size is not None and data_args.eval_datasets:
         problems.append("give either eval_datasets or test_split_size as the eval data, not both")
     for key, read in (("datasets", training_sources), ("eval_datasets", eval_sources)):
@@ -103,7 +104,8 @@ def check_data_sources(data_args) -> None:
             problems.append("eval_datasets: `fraction` is not used for eval (every eval row counts); remove it")
         if data_args.pack_blocks and (key == "eval_datasets" or data_args.datasets):  # one dataset: the linter's
             problems += [f"{key}: {source.label} has dataset_format {source.dataset_format!r}; pack_blocks packs "
-                         f"chat conversations ({' or '.join(CHAT_FORMATS)})"
+                         f"chat conversations ({' or '.join(CHAT_FORMATS)}): set pack_blocks: false, or give "
+                         "this source as chat conversations"
                          for source in sources if source.dataset_format not in CHAT_FORMATS]
         problems += [f"{key}: {source.label} has dataset_format vision_messages: {need}" for source in sources
                      if FORMATS[source.dataset_format].vision for need in _vision_needs(data_args, key)]
@@ -205,8 +207,9 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
             entry.eval_rows = len(held_out)
             if len(held_out) == 0:
                 raise RecipeError(f"test_split_size={data_args.test_split_size} holds out no row of {source.label}: "
-                                  "raise it, or give eval_datasets.")
-            eval_parts.append((source, held_out))
+                                  "raise test_split_size, or give eval_datasets.")
+            eval_parts.append((source, fmt.as_trained(held_out)))
+        rows = fmt.as_trained(rows)  # after the split: the same rows are held out whatever shape they train in
         good_rows = without_marked_rows(rows) if marked else rows  # as the format's own checks read them
         raw_train.append((good_rows, source.dataset_format))
         if fmt.vision:  # image files checked (drops counted) and stored as records, relative paths resolved
@@ -222,7 +225,7 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
         train_parts.append(rows)
     for source in eval_sources(data_args):
         rows, _ = _load(source, streaming=False)  # eval data is finite: read whole, never streamed
-        eval_parts.append((source, rows))
+        eval_parts.append((source, FORMATS[source.dataset_format].as_trained(rows)))
     entries = report.sources
     if streaming:
         columns = ["messages", SOURCE_FIELD, *([ROW_PROBLEM] if marked else [])] if packs else ["input_ids", "labels"]

@@ -6,6 +6,12 @@ A packed block stream finds some drops only while training (every bad row of a s
 and every conversation the masking cannot train on): its readers' counts, summed over ranks after
 every step, come in through `count_stream`, which enforces `max_dropped_share` on them once
 MIN_ROWS_BEFORE_DROP_LIMIT conversations have been read (or the stream has ended).
+
+Supervised tokens are counted one way everywhere: the causal-LM loss's targets, i.e. the labelled
+tokens after each row's first (nothing predicts a row's first token). `kept_supervised_tokens` counts
+them in the rows a source kept for training; `supervised_tokens` in the rows training takes from it
+(the mixture's draw, or the conversations a packed stream read). Every key of data_report.json is
+described in docs/data-report.md.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ class DataReport:
     dropped: Counter = field(default_factory=Counter)
     examples: dict[str, str] = field(default_factory=dict)  # reason -> "where: excerpt"
     truncated: int = 0
-    trainable_tokens: int | None = None  # None: not counted (streamed, or masked later)
+    kept_supervised_tokens: int | None = None  # loss targets in the kept rows; None: not counted (streamed, packed)
     streamed: bool = False
     stream_key: str | None = None  # a stream: the name its readers count it under (`sources.STREAM_READS`)
     stream_rows: int | None = None  # rows read while training, all ranks (None: nothing read while training)
@@ -47,12 +53,12 @@ class DataReport:
             text = row if isinstance(row, str) else json.dumps(row, default=str, ensure_ascii=False)
             self.examples[reason] = f"{where}: {text[:EXCERPT_CHARS]}"
 
-    def count_masking(self, dropped: dict[str, int], trainable_tokens: int) -> None:
+    def count_masking(self, dropped: dict[str, int], supervised_tokens: int) -> None:
         """Add the conversations that assistant-only masking dropped, and the supervised tokens left."""
         for reason, count in dropped.items():
             self.dropped[reason] += count
             self.examples.setdefault(reason, "found while masking (scripts/sft.py RECIPE --audit-data N shows rows)")
-        self.trainable_tokens = trainable_tokens
+        self.kept_supervised_tokens = supervised_tokens
 
     @property
     def kept(self) -> int:
@@ -80,7 +86,7 @@ class DataReport:
                 f"Refusing to go on: {self.dropped_share:.2%} of the rows of {self.source} are dropped, more than "
                 f"max_dropped_share={max_dropped_share} ({self.describe_stream()}; summed over every rank, judged from "
                 f"{MIN_ROWS_BEFORE_DROP_LIMIT} rows read or at the end of the stream). Fix the rows, check "
-                "dataset_format and the chat template (`scripts/sft.py RECIPE --audit-data 5` shows rows), or raise "
+                "dataset_format and the chat template (`.venv/bin/python scripts/sft.py RECIPE --audit-data 5` shows rows), or raise "
                 "max_dropped_share if dropping them is intended."
             )
 
@@ -94,7 +100,7 @@ class DataReport:
     def as_dict(self) -> dict[str, Any]:
         return {"source": self.source, "rows": self.rows, "kept": self.kept, "dropped": dict(self.dropped),
                 "dropped_share": round(self.dropped_share, 6), "truncated": self.truncated,
-                "trainable_tokens": self.trainable_tokens, "streamed": self.streamed, "examples": self.examples,
+                "kept_supervised_tokens": self.kept_supervised_tokens, "streamed": self.streamed, "examples": self.examples,
                 "read_while_training": None if self.stream_rows is None else
                 {"rows": self.stream_rows, "dropped": dict(self.stream_dropped)}}
 
@@ -108,10 +114,9 @@ class DataReport:
         if self.streamed:
             return f"[data] {self.source}: streamed; {self.describe_stream()} ({self.dropped_share:.2%})"
         reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(self.dropped.items())) or "none"
-        line = (f"[data] {self.source}: {self.rows} rows, kept {self.kept}, dropped {sum(self.dropped.values())} "
+        # The rows as read and checked; their tokens are on the mixture's line (what training takes from them).
+        line = (f"[data] {self.source}: {self.rows} rows read, kept {self.kept}, dropped {sum(self.dropped.values())} "
                 f"({self.dropped_share:.2%}: {reasons}), truncated {self.truncated}")
-        if self.trainable_tokens is not None:
-            line += f", trainable tokens {self.trainable_tokens}"
         if self.stream_rows is not None:
             line += (f"; packed while training: {self.stream_rows} read, dropped {self._stream_drops()} "
                      f"({self.dropped_share:.2%} dropped in all)")
@@ -121,7 +126,7 @@ class DataReport:
         """ValueError when too many rows were dropped, or nothing is left to learn from."""
         if self.streamed:
             return
-        if self.kept == 0 or self.trainable_tokens == 0:
+        if self.kept == 0 or self.kept_supervised_tokens == 0:
             what = "no row is left" if self.kept == 0 else "the rows left have no trainable (supervised) token"
             raise RecipeError(f"Refusing to train: {what}.\n{self.format()}\nFix the dataset (or dataset_format, "
                              "max_length, completion_only_loss) so that rows carry a target to learn.")
@@ -149,8 +154,11 @@ class SourceReport:
     available_rows: int = 0  # kept training rows (after held-out rows, drops and masking)
     mixture_rows: int = 0  # rows drawn into the mixture (more than available_rows: repeated)
     eval_rows: int = 0
-    tokens: int | None = None  # None: counted by the packed stream as it reads
+    # Of the rows training takes from this source: the mixture's draw, or (packed) the conversations its stream
+    # read, counted whole as read. None: not counted yet (a packed stream counts as it reads).
+    tokens: int | None = None
     supervised_tokens: int | None = None
+    conversations_read: int | None = None  # packed: conversations the steps run read of it (kept or dropped)
 
     @property
     def times_used(self) -> float:
@@ -176,7 +184,8 @@ class MixtureReport:
         share = self._share(source)
         return {**source.checked.as_dict(), "fraction": source.fraction, "training_rows": source.available_rows,
                 "mixture_rows": source.mixture_rows, "times_used": round(source.times_used, 4),
-                "eval_rows": source.eval_rows, "tokens": source.tokens, "supervised_tokens": source.supervised_tokens,
+                "eval_rows": source.eval_rows, "conversations_read": source.conversations_read,
+                "tokens": source.tokens, "supervised_tokens": source.supervised_tokens,
                 "supervised_token_share": None if share is None else round(share, 6)}
 
     def as_dict(self) -> dict[str, Any]:
@@ -195,7 +204,8 @@ class MixtureReport:
                                        / sum(judged), 6) if sum(judged) else 0.0,
                 "read_while_training": read_while_training,
                 "truncated": sum(s.checked.truncated for s in self.sources),
-                "trainable_tokens": None if None in supervised else sum(supervised), "streamed": self.streamed,
+                "tokens": None if None in [s.tokens for s in self.sources] else sum(s.tokens for s in self.sources),
+                "supervised_tokens": None if None in supervised else sum(supervised), "streamed": self.streamed,
                 "eval_rows": sum(s.eval_rows for s in self.sources),
                 "sources": [self.source_dict(s) for s in self.sources]}
 
@@ -223,11 +233,16 @@ class MixtureReport:
                 counted += f" ({share:.1%} of the mixture's)" if mixture and share is not None else ""
             else:
                 counted = "tokens counted while training" if self.packed else "tokens not counted (tokenized as read)"
-            drawn = ("streamed" if self.streamed else
-                     f"{source.mixture_rows:,} of {source.available_rows:,} training rows{repeated}")
             fraction = f" (fraction {source.fraction})" if source.fraction is not None else ""
-            where = "in the mixture" if mixture else "trained on"
-            lines.append(f"  {where}: {drawn}{fraction}, {counted}; eval rows {source.eval_rows:,}")
+            available = "" if self.streamed else f" of {source.available_rows:,} training rows"
+            if source.conversations_read is not None:  # a packed stream, at the end: what the steps run read
+                drawn = (f"read by the steps run: {source.conversations_read:,} conversations{available}{fraction}, "
+                         f"{counted} (each conversation counted whole when read)")
+            else:
+                drawn = ("streamed" if self.streamed else
+                         f"{source.mixture_rows:,}{available}{repeated}") + f"{fraction}, {counted}"
+                drawn = f"{'in the mixture' if mixture else 'drawn for training'}: {drawn}"
+            lines.append(f"  {drawn}; eval rows {source.eval_rows:,}")
         return "\n".join(lines)
 
     def enforce(self, max_dropped_share: float) -> None:
@@ -242,4 +257,5 @@ class MixtureReport:
             if counts is None:  # nothing of it read yet
                 continue
             source.tokens, source.supervised_tokens = counts.tokens, counts.supervised_tokens
+            source.conversations_read = counts.conversations
             source.checked.count_stream(counts, stream_ended, max_dropped_share)

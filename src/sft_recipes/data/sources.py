@@ -45,7 +45,8 @@ def load_raw_dataset(data_args) -> Dataset | IterableDataset:
     if path.is_file():
         builder = LOCAL_BUILDERS.get(path.suffix)
         if builder is None:
-            raise RecipeError(f"Cannot read {path}: use one of {sorted(LOCAL_BUILDERS)}.")
+            raise RecipeError(f"Cannot read {path}: its suffix is not one of {sorted(LOCAL_BUILDERS)}; convert it to one of "
+                              "them, or give a Hub dataset id.")
         dataset = load_dataset(builder, data_files={split: str(path)}, split=split, streaming=data_args.dataset_streaming)
     elif path.is_dir():
         dataset = load_dataset(str(path), split=split, streaming=data_args.dataset_streaming,
@@ -296,18 +297,21 @@ def parse_sources(entries: Any, key: str, default_format: str) -> list[DatasetSo
     for number, entry in enumerate(entries):
         where = f"{key}[{number}]"
         if not isinstance(entry, dict):
-            problems.append(f"{where} must be a mapping with at least `path`, got {entry!r}")
+            problems.append(f"{where} must be a mapping with at least `path`, got {entry!r}: write it as "
+                            "{path: ..., dataset_format: ...}")
             continue
         for unknown in sorted(set(entry) - set(SOURCE_KEYS)):
             close = difflib.get_close_matches(unknown, SOURCE_KEYS, n=3, cutoff=0.6)
-            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else f" (keys: {', '.join(SOURCE_KEYS)})"
+            hint = (f"; did you mean {', '.join(repr(c) for c in close)}?" if close
+                    else f": remove it (keys: {', '.join(SOURCE_KEYS)})")
             problems.append(f"{where}: unknown key '{unknown}'{hint}")
         values = {k: v for k, v in entry.items() if k in SOURCE_KEYS}
         values.setdefault("dataset_format", default_format)
         if not isinstance(values.get("path"), str) or not values["path"]:
             problems.append(f"{where} needs `path`: a Hub dataset id or a local file/folder")
         if values["dataset_format"] not in FORMATS:
-            problems.append(f"{where}: dataset_format must be one of {list(FORMATS)}, got {values['dataset_format']!r}")
+            problems.append(f"{where}: dataset_format must be one of {list(FORMATS)}, got {values['dataset_format']!r}: "
+                            "set the one whose columns the source has")
         fraction = values.get("fraction")
         if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
                                      or fraction <= 0):
@@ -317,7 +321,8 @@ def parse_sources(entries: Any, key: str, default_format: str) -> list[DatasetSo
                 problems.append(f"{where}: {name} must be a string, got {values[name]!r}")
         columns = values.get("columns")
         if columns is not None and not (isinstance(columns, list) and all(isinstance(c, str) for c in columns)):
-            problems.append(f"{where}: columns must be a list of column names, got {columns!r}")
+            problems.append(f"{where}: columns must be a list of column names, got {columns!r}: write e.g. "
+                            "columns: [messages]")
         if not problems:
             sources.append(DatasetSource(**values))
     given = [entry.get("fraction") is not None for entry in entries if isinstance(entry, dict)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,35 @@ def resolve_resume_checkpoint(training_args) -> str | None:
     if chosen is not None:
         refuse_another_training_layout(chosen, training_args)
     return chosen
+
+
+def nothing_left_to_train(checkpoint: str | None, training_args) -> str | None:
+    """Why a run resuming from `checkpoint` would train no step, or None when steps remain.
+
+    transformers resumes a checkpoint already at `max_steps` and still takes one more optimizer step
+    (checkpoint-4 with max_steps 4 trained step 5, saved checkpoint-5 and a summary of that step alone), so a
+    finished run is recognised here, before anything loads, and the run ends with exit 0 having written nothing.
+    An epoch-based run is finished when its checkpoint reached the steps of the same number of epochs.
+    """
+    if checkpoint is None:
+        return None
+    try:
+        state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return None  # the Trainer reports a checkpoint it cannot read
+    done = int(state.get("global_step", 0))
+    if training_args.max_steps > 0:
+        if done < training_args.max_steps:
+            return None
+        target = f"max_steps {training_args.max_steps}"
+    elif (done < int(state.get("max_steps", 0) or 0)
+          or state.get("num_train_epochs") != math.ceil(training_args.num_train_epochs)):  # the Trainer stores it so
+        return None
+    else:
+        target = f"num_train_epochs {training_args.num_train_epochs:g} ({done} steps)"
+    return (f"{checkpoint} has already trained {done} step(s), reaching {target}: nothing to train, nothing written. "
+            f"To train further pass a larger --max_steps (e.g. --max_steps {2 * done}); to start over in this output_dir "
+            "pass --overwrite_output_dir true.")
 
 
 def _resume_checkpoint(training_args) -> str | None:

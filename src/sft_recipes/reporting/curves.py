@@ -30,14 +30,14 @@ def series(log_history: list[dict[str, Any]], key: str) -> tuple[list[int], list
     return [step for step, _ in points], [value for _, value in points]
 
 
-def write_training_curves(log_history: list[dict[str, Any]], path: str | Path) -> Path:
-    """Draw the three panels into `path` (PNG). A quantity never logged leaves its panel empty, saying so."""
+def draw_training_curves(log_history: list[dict[str, Any]]):
+    """The figure of the three panels. A quantity never logged leaves its panel empty, saying so."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training nodes
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    path = Path(path)
     figure, axes = plt.subplots(len(PANELS), 1, figsize=(8, 9), sharex=True)
     for axis, (title, lines) in zip(axes, PANELS):
         drawn = False
@@ -53,7 +53,18 @@ def write_training_curves(log_history: list[dict[str, Any]], path: str | Path) -
         if not drawn:
             axis.text(0.5, 0.5, "not logged", ha="center", va="center", transform=axis.transAxes)
     axes[-1].set_xlabel("step")
+    # Steps are whole: with few points (a run resumed near its end) matplotlib would tick 4.8, 5.0, 5.2.
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # one step: one tick
     figure.tight_layout()
+    return figure
+
+
+def write_training_curves(log_history: list[dict[str, Any]], path: str | Path) -> Path:
+    """Draw the three panels into `path` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    figure = draw_training_curves(log_history)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)
     plt.close(figure)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,9 @@ from transformers import TrainerCallback
 class RunSummaryCallback(TrainerCallback):
     """Collect per-step losses and timing on rank 0 for run_summary.json and the closing line."""
 
-    def __init__(self, tracking_uri: str | None = None) -> None:
+    def __init__(self, tracking_uri: str | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> None:
         self.tracking_uri = tracking_uri  # MLflow's, when the run reports there
+        self.overrides = overrides or {}  # Recipe.overrides: the keys each source (parameters, command line) set
         self.losses: dict[int, float] = {}
         self.first_step: int | None = None
         self.last_step = 0
@@ -27,6 +29,10 @@ class RunSummaryCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.world_size = args.world_size
+        # A resumed run starts from the checkpoint's trainer state, whose log_history holds the steps before the
+        # resume: the summary keeps them, so its losses cover the whole training and not only this launch.
+        for entry in state.log_history:
+            self.on_log(args, state, control, logs=entry, step=entry.get("step"))
         if state.is_world_process_zero and "mlflow" in (args.report_to or []):
             import mlflow  # MLflowCallback, earlier in the callback list, has started the run
 
@@ -34,7 +40,9 @@ class RunSummaryCallback(TrainerCallback):
             self.mlflow_run_id = run.info.run_id if run else None
             if run:  # tags, not params: a retry logging into the same run (MLFLOW_RUN_ID) may change them
                 mlflow.set_tags({"world_size": self.world_size,
-                                 "world_size_at_checkpoint": str(self.world_size_at_checkpoint)})
+                                 "world_size_at_checkpoint": str(self.world_size_at_checkpoint),
+                                 **{f"overrides.{source}": json.dumps(values, default=str)[:5000]
+                                    for source, values in self.overrides.items()}})
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_started = time.perf_counter()
@@ -48,11 +56,12 @@ class RunSummaryCallback(TrainerCallback):
             control.should_log = True
         return control
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args, state, control, logs=None, step: int | None = None, **kwargs):
+        step = state.global_step if step is None else step  # `step`: an entry of the checkpoint's log_history
         if logs and "loss" in logs:
-            self.losses[state.global_step] = float(logs["loss"])
+            self.losses[step] = float(logs["loss"])
         if logs and "eval_loss" in logs:
-            self.eval_losses[state.global_step] = float(logs["eval_loss"])
+            self.eval_losses[step] = float(logs["eval_loss"])
         for key in ("packing_efficiency", "tokens_per_second_per_device", "mfu", "peak_memory_gib"):
             if logs and key in logs:
                 self.last_metrics[key] = float(logs[key])
@@ -81,6 +90,7 @@ class RunSummaryCallback(TrainerCallback):
             "export_max_logit_diff": logit_diff,
             "mlflow_tracking_uri": self.tracking_uri,
             "mlflow_run_id": self.mlflow_run_id,
+            "overrides": self.overrides,
         }
 
     @staticmethod

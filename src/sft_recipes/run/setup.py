@@ -12,7 +12,7 @@ from sft_recipes.data.formats import FORMATS, DatasetFormat, Tokenization
 from sft_recipes.data.mixture import has_images
 from sft_recipes.distributed import enable_cpu_fsdp, launched_world_size
 from sft_recipes.fault.collective_timeout import bound_collective_waits
-from sft_recipes.fault.resume import protect_output_dir, resolve_resume_checkpoint
+from sft_recipes.fault.resume import nothing_left_to_train, protect_output_dir, resolve_resume_checkpoint
 from sft_recipes.lint import LintContext, lint_recipe
 from sft_recipes.loading import ModelSource
 from sft_recipes.reporting.hub import HubPush, take_over_hub_push
@@ -31,6 +31,7 @@ class Run:
     resume_from: str | None = None  # the checkpoint this run continues, chosen (and checked) before anything loads
     hub_push: HubPush | None = None  # `push_to_hub`: ours, after the export check (the Trainer's is switched off)
     sequence_parallel: SequenceParallel | None = None  # this rank's group; None: every rank has its own blocks
+    finished: str | None = None  # why there is nothing to train: the checkpoint resumed from is at max_steps
 
     @property
     def data_reader(self) -> tuple[int, int]:
@@ -68,10 +69,13 @@ class Run:
         )
 
 
-def start_run(recipe: Recipe) -> Run:
+def start_run(recipe: Recipe, read_only: bool = False) -> Run:
     """Lint against the launcher and the model's config, derive the global batch, make FSDP2 real on
     CPU too, bound every collective wait, keep output_dir to one recipe, choose the checkpoint to resume
-    from, and have the model's files ready."""
+    from (a run already at max_steps is `finished`: nothing loads), and have the model's files ready.
+
+    `read_only` (`--audit-data`): output_dir is neither tidied nor resumed from, so an audit reads the data
+    the same way before, during and after a run, whatever the checkpoints there were trained on."""
     source = ModelSource(recipe.model)
     lint_recipe(recipe, LintContext.from_environment(lambda: source.config))
     training = recipe.training
@@ -79,12 +83,22 @@ def start_run(recipe: Recipe) -> Run:
     training.gradient_accumulation_steps, derivation = derive_gradient_accumulation(training, launched_world_size())
     enable_cpu_fsdp()  # before the Trainer creates its Accelerator: FSDP2 on CPU too
     bound_collective_waits(training)  # a dead or hung rank fails the others within ddp_timeout
-    protect_output_dir(recipe, training)  # never mix two recipes' checkpoints
-    resume_from = resolve_resume_checkpoint(training)  # refuses a layout the checkpoint cannot continue on
+    resume_from = None
+    if not read_only:
+        protect_output_dir(recipe, training)  # never mix two recipes' checkpoints
+        resume_from = resolve_resume_checkpoint(training)  # refuses a layout the checkpoint cannot continue on
+        finished = nothing_left_to_train(resume_from, training)
+        if finished:
+            if training.process_index == 0:
+                print(finished, flush=True)
+            return Run(recipe=recipe, source=source, batch_derivation=derivation, resume_from=resume_from,
+                       finished=finished)
     with training.main_process_first(local=False, desc="model files"):
         source.ensure_files()  # a tiny stand-in is built once, by the main process
     run = Run(recipe=recipe, source=source, batch_derivation=derivation, resume_from=resume_from, hub_push=hub_push,
               sequence_parallel=start_sequence_parallel(recipe))  # the process group exists by now
     if run.is_main:
         logger.info("recipe %s -> output_dir %s; %s", recipe.source, training.output_dir, derivation)
+        for source, values in recipe.overrides.items():  # which keys the workload's parameters / the caller set
+            logger.info("overrides from %s: %s", source, ", ".join(f"{key}={value!r}" for key, value in values.items()))
     return run

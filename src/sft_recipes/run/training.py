@@ -48,7 +48,8 @@ class Training:
 
 def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Training:
     recipe, training_args = run.recipe, run.recipe.training
-    summary = RunSummaryCallback(configure_mlflow(training_args, recipe.model.mlflow_experiment_name))
+    summary = RunSummaryCallback(configure_mlflow(training_args, recipe.model.mlflow_experiment_name),
+                                 overrides=recipe.overrides)
     throughput = ThroughputMeter.for_run(run.source.config, built.lora_config, training_args.device,
                                          training_args.sequence_parallel_size)
     reporting = [TrainingCurvesCallback()]  # training_curves.png at each save and at the end

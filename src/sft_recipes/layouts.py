@@ -1,0 +1,334 @@
+"""The layouts this project can run, compared: FSDP next to HSDP, what to change when a recipe does
+not fit (or fits but a faster layout exists), and whether an HSDP shard group can hold the model.
+
+Every candidate keeps the recipe's global batch (sequences x block length per optimizer step) and
+is priced by `plan.estimate_memory` (per GPU, the shard group dividing the state) and
+`communication.estimate_communication` (compute + exposed communication). What varies, in the
+order a user would rather change it: micro-batch and accumulation, sequence-parallel size (flat
+FSDP only: the linter refuses SP with HSDP), activation offloading, FSDP vs HSDP (replicas = a
+divisor of the nodes, each replica whole nodes), activation checkpointing (it lives in the
+accelerate config), and only when nothing fits at the recipe's length, shorter blocks (the same
+tokens per step in more sequences).
+
+A suggestion is a command: the `scripts/sft.py` overrides (each a recipe key) and, when the layout
+itself changes, the accelerate config to launch with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sft_recipes.communication import CommunicationEstimate, Links, MeshLayout, estimate_communication
+from sft_recipes.model_math import GPU_BY_NAME, ParamCounts
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from sft_recipes.plan import TrainingSetup
+
+# A suggestion must beat the recipe's own layout by this much to be worth a change (the model's error is larger).
+MEANINGFUL_SPEEDUP = 1.05
+SUGGESTIONS = 3
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class LayoutOption:
+    """One runnable layout of the recipe, priced."""
+
+    setup: TrainingSetup
+    layout: MeshLayout
+    memory_gib: float
+    communication: CommunicationEstimate
+    overrides: tuple[str, ...] = ()
+    accelerate_config: str | None = None  # None: the config the recipe is launched with
+
+    @property
+    def step_seconds(self) -> float:
+        return self.communication.step_seconds
+
+    def fits(self, gpu: str) -> bool:
+        return self.memory_gib <= GPU_BY_NAME[gpu].memory_gib
+
+    def to_dict(self, gpu: str) -> dict:
+        s = self.setup
+        return {
+            "layout": self.layout.name, "replicate": self.layout.replicate, "shard": self.layout.shard,
+            "micro_batch_size": s.micro_batch_size, "gradient_accumulation_steps": s.gradient_accumulation_steps,
+            "sequence_parallel_size": s.sequence_parallel_size, "activation_checkpointing": s.activation_checkpointing,
+            "activation_offloading": s.activation_offloading, "max_length": s.seq_len,
+            "sequences_per_step": s.micro_batch_size * s.gradient_accumulation_steps * s.data_parallel_size,
+            "memory_gib": self.memory_gib, "fits": self.fits(gpu), "step_seconds": self.step_seconds,
+            "bound": self.communication.bound, "overrides": list(self.overrides),
+            "accelerate_config": self.accelerate_config,
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def price(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, layout: MeshLayout, gpu: str,
+          links: Links, reshard_after_forward: bool = True) -> LayoutOption:
+    from sft_recipes.plan import estimate_memory
+
+    from sft_recipes.plan import GIB
+
+    setup = dataclasses.replace(setup, replicate_size=layout.replicate)
+    memory = estimate_memory(config, counts, setup)
+    return LayoutOption(setup, layout, memory.total, estimate_communication(
+        config, counts, setup, layout, gpu, links, reshard_after_forward, memory.activations_offloaded * GIB))
+
+
+def hsdp_config_name(layout: MeshLayout, base_config: str | None) -> str:
+    """The accelerate config that launches ``layout``: a shipped one when it exists, else what to write."""
+    if layout.replicate == 1:
+        flat = f"accelerate_configs/fsdp2_{layout.nodes}node.yaml" if layout.nodes > 1 else "accelerate_configs/fsdp2_8gpu.yaml"
+        shipped = base_config if base_config and "hsdp" not in base_config else flat
+        if (REPO_ROOT / shipped).is_file() and layout.gpus_per_node == 8:
+            return shipped
+        return (f"a copy of {shipped} with num_machines: {layout.nodes}, num_processes: {layout.world_size} "
+                "and no parallelism_config")
+    shipped = f"accelerate_configs/hsdp_{layout.nodes}node.yaml"
+    sizes = (f"parallelism_config_dp_replicate_size: {layout.replicate}, "
+             f"parallelism_config_dp_shard_size: {layout.shard}")
+    if (REPO_ROOT / shipped).is_file() and layout.shard == layout.gpus_per_node and layout.gpus_per_node == 8:
+        return shipped
+    return (f"a copy of {base_config or 'accelerate_configs/fsdp2_2node.yaml'} with num_machines: {layout.nodes}, "
+            f"num_processes: {layout.world_size} and parallelism_config: {{{sizes}}}")
+
+
+def _overrides(current: TrainingSetup, option: TrainingSetup, global_batch_in_recipe: bool) -> tuple[str, ...]:
+    """scripts/sft.py flags turning ``current`` into ``option`` (recipe keys only; the layout is the config's)."""
+    flags = []
+    if option.seq_len != current.seq_len:
+        flags += ["--max_length", str(option.seq_len)]
+    if option.micro_batch_size != current.micro_batch_size:
+        flags += ["--per_device_train_batch_size", str(option.micro_batch_size)]
+    if option.sequence_parallel_size != current.sequence_parallel_size:
+        flags += ["--sequence_parallel_size", str(option.sequence_parallel_size)]
+    if option.gradient_accumulation_steps != current.gradient_accumulation_steps and not global_batch_in_recipe:
+        flags += ["--gradient_accumulation_steps", str(option.gradient_accumulation_steps)]
+    if option.activation_offloading != current.activation_offloading:
+        flags += ["--activation_offloading", str(option.activation_offloading).lower()]
+    return tuple(flags)
+
+
+def _config_change(current: TrainingSetup, option: LayoutOption, current_layout: MeshLayout,
+                   base_config: str | None) -> str | None:
+    config = None
+    if option.layout.replicate != current_layout.replicate:
+        config = hsdp_config_name(option.layout, base_config)
+    if option.setup.activation_checkpointing != current.activation_checkpointing:
+        value = str(option.setup.activation_checkpointing).lower()
+        config = (f"{config}, and fsdp_activation_checkpointing: {value}" if config else
+                  f"a copy of {base_config or 'the accelerate config'} with fsdp_activation_checkpointing: {value}")
+    return config
+
+
+def compare_layouts(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, nodes: int, gpu: str,
+                    links: Links, reshard_after_forward: bool = True) -> list[LayoutOption]:
+    """Flat FSDP and HSDP (one replica per node) for the same run, for a launch over several nodes."""
+    gpus_per_node = setup.world_size // nodes
+    layouts = [MeshLayout(nodes, gpus_per_node, 1)]
+    if nodes > 1 and setup.sequence_parallel_size == 1:
+        layouts.append(MeshLayout(nodes, gpus_per_node, nodes))
+    return [price(config, counts, setup, layout, gpu, links, reshard_after_forward) for layout in layouts]
+
+
+def candidate_layouts(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, current: MeshLayout,
+                      gpu: str, links: Links, seq_lens: list[int], reshard_after_forward: bool = True):
+    """Every layout of the same global batch (tokens per step) at the given block lengths, priced."""
+    tokens = setup.tokens_per_micro_batch * setup.gradient_accumulation_steps * setup.data_parallel_size
+    replicas = [1] + ([r for r in _divisors(current.nodes) if r > 1] if current.nodes > 1 else [])
+    for seq_len in seq_lens:
+        if tokens % seq_len:
+            continue
+        sequences = tokens // seq_len
+        for replicate in replicas:
+            layout = MeshLayout(current.nodes, current.gpus_per_node, replicate)
+            for sp in _divisors(current.gpus_per_node) if replicate == 1 else [1]:
+                if seq_len % sp or sequences % (setup.world_size // sp):
+                    continue
+                per_group = sequences // (setup.world_size // sp)
+                for micro in _divisors(per_group):
+                    for checkpointing in (True, False):
+                        for offloading in (False, True):
+                            option = dataclasses.replace(
+                                setup, seq_len=seq_len, micro_batch_size=micro,
+                                gradient_accumulation_steps=per_group // micro, sequence_parallel_size=sp,
+                                activation_checkpointing=checkpointing, activation_offloading=offloading)
+                            yield price(config, counts, option, layout, gpu, links, reshard_after_forward)
+
+
+def suggest_layouts(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, current: MeshLayout, gpu: str,
+                    links: Links, base_config: str | None = None, global_batch_in_recipe: bool = False,
+                    reshard_after_forward: bool = True) -> tuple[LayoutOption, list[LayoutOption]]:
+    """(the recipe's own layout priced, up to `SUGGESTIONS` faster layouts that fit ``gpu``; none when the
+    recipe fits and nothing is `MEANINGFUL_SPEEDUP` faster). Block length shrinks only when nothing fits."""
+    own = price(config, counts, setup, current, gpu, links, reshard_after_forward)
+    lengths = [setup.seq_len]
+    options = [o for o in candidate_layouts(config, counts, setup, current, gpu, links, lengths, reshard_after_forward)
+               if o.fits(gpu)]
+    length = setup.seq_len
+    while not options and length % 2 == 0 and length > 1024:
+        length //= 2
+        options = [o for o in candidate_layouts(config, counts, setup, current, gpu, links, [length],
+                                                reshard_after_forward) if o.fits(gpu)]
+    if own.fits(gpu):
+        options = [o for o in options if o.step_seconds * MEANINGFUL_SPEEDUP < own.step_seconds]
+
+    def changes(option: LayoutOption) -> int:
+        return len(_overrides(setup, option.setup, global_batch_in_recipe)) + \
+            (option.layout.replicate != current.replicate) + \
+            (option.setup.activation_checkpointing != setup.activation_checkpointing)
+
+    options.sort(key=lambda o: (round(o.step_seconds, 3), changes(o)))
+    best: list[LayoutOption] = []
+    for option in options:
+        key = (option.setup, option.layout)
+        if any((b.setup, b.layout) == key for b in best):
+            continue
+        best.append(dataclasses.replace(option, overrides=_overrides(setup, option.setup, global_batch_in_recipe),
+                                        accelerate_config=_config_change(setup, option, current, base_config)))
+        if len(best) == SUGGESTIONS:
+            break
+    return own, best
+
+
+@dataclass(frozen=True)
+class ShardShortfall:
+    needed_gib: float
+    available_gib: float
+    smallest_fitting_shard: int | None  # None: not even flat FSDP over the whole world fits
+    shard_sizes_tried: list[int] = field(default_factory=list)
+
+    @property
+    def shortfall_gib(self) -> float:
+        return self.needed_gib - self.available_gib
+
+
+def shard_group_shortfall(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, gpu: str) -> ShardShortfall | None:
+    """None when the HSDP shard group of ``setup`` holds the run on ``gpu``; else how far off, and the
+    smallest shard size (a divisor of the world, larger than today's) whose memory fits."""
+    from sft_recipes.plan import estimate_memory
+
+    available = GPU_BY_NAME[gpu].memory_gib
+    needed = estimate_memory(config, counts, setup).total
+    if needed <= available:
+        return None
+    tried = [s for s in _divisors(setup.world_size) if s > setup.shard_size]
+    for shard in tried:
+        larger = dataclasses.replace(setup, replicate_size=setup.world_size // shard)
+        if estimate_memory(config, counts, larger).total <= available:
+            return ShardShortfall(needed, available, shard, tried)
+    return ShardShortfall(needed, available, None, tried)
+
+
+# --------------------------------------------------------------------------------------------
+# The dry run's section
+
+
+@dataclass(frozen=True)
+class LayoutReport:
+    """What `--dry-run` prints after the memory plan, and what `--plan-json` carries of it."""
+
+    gpu: str
+    links: Links
+    own: LayoutOption
+    side_by_side: list[LayoutOption]
+    suggestions: list[LayoutOption]
+
+    def faster_that_fits(self) -> LayoutOption | None:
+        """The fastest of the side-by-side layouts that fits; the launch's own unless another is
+        `MEANINGFUL_SPEEDUP` faster (or the own does not fit). None for one layout, or when none fits."""
+        fitting = [o for o in self.side_by_side if o.fits(self.gpu)]
+        if len(self.side_by_side) < 2 or not fitting:
+            return None
+        fastest = min(fitting, key=lambda o: o.step_seconds)
+        if self.own.fits(self.gpu) and fastest.step_seconds * MEANINGFUL_SPEEDUP >= self.own.step_seconds:
+            return self.own
+        return fastest
+
+    def to_dict(self) -> dict:
+        faster = self.faster_that_fits()
+        return {
+            "gpu": self.gpu,
+            "links_gbps": {"intra_node": self.links.intra_node_gbps, "inter_node": self.links.inter_node_gbps},
+            "communication": self.own.communication.to_dict(),
+            "layouts": [{**o.to_dict(self.gpu), "communication": o.communication.to_dict()} for o in self.side_by_side],
+            "faster_layout_that_fits": faster.layout.name if faster else None,
+            "suggestions": [o.to_dict(self.gpu) for o in self.suggestions],
+        }
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB" if n else "-"
+
+
+def format_layouts(report: LayoutReport, command: str) -> str:
+    from sft_recipes.communication import LINK_EFFICIENCY
+
+    links = report.links
+    lines = [f"  communication per optimizer step per GPU on {report.gpu} (--gpu): NVLink {links.intra_node_gbps:,.0f} Gb/s, "
+             f"network {links.inter_node_gbps:,.0f} Gb/s per GPU each way (--intra_node_gbps / --inter_node_gbps), "
+             f"{LINK_EFFICIENCY:.0%} of it achieved; compute at the MFU above, communication hidden behind the "
+             "neighbouring layer's compute up to that compute (docs/planner.md)",
+             f"    {'layout':<14}{'GiB/GPU':>8}{'fits':>5}{'all-gather':>12}{'reduce-scat.':>13}{'all-reduce':>11}"
+             f"{'all-to-all':>11}{'compute s':>10}{'NVLink s':>9}{'network s':>10}{'exposed s':>10}{'s/step':>8}  bound"]
+    for option in report.side_by_side:
+        c = option.communication
+        this = " (this)" if option.layout == report.own.layout else ""
+        lines.append(
+            f"    {option.layout.name + this:<14}{option.memory_gib:>8.1f}{'yes' if option.fits(report.gpu) else 'NO':>5}"
+            f"{_gb(c.all_gather_bytes):>12}{_gb(c.reduce_scatter_bytes):>13}{_gb(c.all_reduce_bytes):>11}"
+            f"{_gb(c.all_to_all_bytes):>11}{c.compute_seconds:>10.3f}{c.link_seconds['intra-node']:>9.3f}"
+            f"{c.link_seconds['inter-node']:>10.3f}{c.exposed_seconds:>10.3f}{c.step_seconds:>8.3f}  {c.bound}")
+    if report.own.communication.nodes == 1:
+        lines.append("    one node: every collective stays on NVLink, no inter-node term")
+    faster = report.faster_that_fits()
+    if faster is not None:
+        others = ", ".join(f"{o.layout.name} {o.step_seconds:.3f} s" for o in report.side_by_side)
+        lines.append(f"  faster layout that fits: {faster.layout.name} ({others} per step)"
+                     + (", the launch's own (no other is 5% faster)" if faster.layout == report.own.layout else
+                        f": launch with {hsdp_config_name(faster.layout, None)}"))
+    elif len(report.side_by_side) > 1:
+        lines.append("  faster layout that fits: none of these fits on " + report.gpu)
+    if not report.suggestions:
+        verdict = ("fits, and no layout this project runs is 5% faster at the same global batch" if report.own.fits(report.gpu)
+                   else "nothing this project can run fits, even with shorter blocks")
+        lines.append(f"  what to change: nothing ({verdict})")
+        return "\n".join(lines)
+    why = "fits, but faster" if report.own.fits(report.gpu) else f"does not fit on {report.gpu}; these do"
+    lines.append(f"  what to change (this run {why}; same global batch; best first):")
+    for option in report.suggestions:
+        s = option.setup
+        sequences = s.micro_batch_size * s.gradient_accumulation_steps * s.data_parallel_size
+        lines.append(f"    {option.memory_gib:6.1f} GiB  {option.step_seconds:7.3f} s/step  {option.layout.name}, "
+                     f"{s.micro_batch_size} x {s.seq_len} x {s.gradient_accumulation_steps} accumulation, SP "
+                     f"{s.sequence_parallel_size}, checkpointing {'on' if s.activation_checkpointing else 'off'}, "
+                     f"offloading {'on' if s.activation_offloading else 'off'} = {sequences} sequences per step")
+        flags = " ".join(option.overrides)
+        lines.append(f"      {command} {flags}".rstrip())
+        if option.accelerate_config:
+            lines.append(f"      accelerate config: {option.accelerate_config}")
+    return "\n".join(lines)
+
+
+def layout_report(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, nodes: int, gpu: str,
+                  links: Links, base_config: str | None = None, global_batch_in_recipe: bool = False,
+                  reshard_after_forward: bool = True) -> LayoutReport:
+    """The launch's own layout priced, FSDP and HSDP side by side (several nodes), and what to change."""
+    if setup.world_size % nodes:
+        raise ValueError(f"{setup.world_size} processes cannot be spread evenly over {nodes} nodes.")
+    current = MeshLayout(nodes, setup.world_size // nodes, setup.replicate_size)
+    own, suggestions = suggest_layouts(config, counts, setup, current, gpu, links, base_config, global_batch_in_recipe,
+                                       reshard_after_forward)
+    side_by_side = compare_layouts(config, counts, setup, nodes, gpu, links, reshard_after_forward)
+    side_by_side = [own if o.layout == current else o for o in side_by_side]
+    if current not in [o.layout for o in side_by_side]:
+        side_by_side.insert(0, own)
+    return LayoutReport(gpu, links, own, side_by_side, suggestions)
