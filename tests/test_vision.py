@@ -327,3 +327,16 @@ def test_the_tiny_twin_ships_its_image_processor():
 
     processor = AutoImageProcessor.from_pretrained(ensure_tiny("qwen3_5"))
     assert (processor.patch_size, processor.merge_size, processor.temporal_patch_size) == (16, 2, 2)
+
+
+def test_the_mask_audit_shows_image_placeholders_outside_the_supervised_spans(processing):
+    from sft_recipes.config import load_recipe
+    from sft_recipes.data.audit import audit_dataset, format_report
+    from sft_recipes.data.sources import load_checked_dataset
+
+    recipe = load_recipe("recipes/tiny/qwen27b-vision.yaml")
+    rows, report = load_checked_dataset(recipe.data)
+    assert report.kept == 60
+    text = format_report(audit_dataset(rows, processing.tokenizer, 1))
+    assert "user\n<|vision_start|><|image_pad|><|vision_end|>What colour is the shape?<|im_end|>" in text
+    assert "[[<think>\n\n</think>\n\nIt is blue.<|im_end|>\n]]" in text
