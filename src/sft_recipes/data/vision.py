@@ -135,8 +135,12 @@ def image_record(value: Any, base_dir: Path | None) -> dict[str, Any]:
     return {"bytes": None, "path": str(path)}
 
 
-def open_image(record: dict[str, Any]) -> Image.Image | str:
-    """The image of an `image_record`, decoded as RGB, or its drop reason."""
+def open_image(record: dict[str, Any], decode: bool = True) -> Image.Image | str | None:
+    """The image of an `image_record` decoded as RGB (or, with ``decode=False``, None once its file is checked:
+    header, size and -- for PNG -- every chunk's checksum, without decoding pixels), or its drop reason.
+
+    The up-front check (`check_images`) does not decode; an image that still fails to decode when a reader
+    tokenizes its row is dropped and counted there, under the same reason."""
     if record.get("bytes"):
         source = io.BytesIO(record["bytes"])
     elif record.get("path") and Path(record["path"]).is_file():
@@ -146,8 +150,12 @@ def open_image(record: dict[str, Any]) -> Image.Image | str:
     try:
         with Image.open(source) as image:
             width, height = image.size
-            if width < 1 or height < 1 or width * height > MAX_IMAGE_PIXELS or max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+            if (width < 1 or height < 1 or width * height > MAX_IMAGE_PIXELS
+                    or max(width, height) > MAX_ASPECT_RATIO * min(width, height)):
                 return IMAGE_SIZE
+            if not decode:
+                image.verify()  # reads the file through (PNG: chunk CRCs) without decoding it
+                return None
             return image.convert("RGB")  # decodes every pixel: a truncated file fails here
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError):
         return UNREADABLE_IMAGE
@@ -170,8 +178,7 @@ def check_images(rows, base_dir: Path | None, report) -> tuple[list[dict[str, An
 
 
 def _image_problem(record: dict[str, Any]) -> str | None:
-    opened = open_image(record)
-    return opened if isinstance(opened, str) else None
+    return open_image(record, decode=False)
 
 
 # ── Tokens, pixels, positions ────────────────────────────────────────────────────────────────────
@@ -323,7 +330,6 @@ class VisionBlockStream(RankLocalBlockStream):
 
     def __init__(self, dataset, processing: VisionProcessing, max_length: int, rank: int, world_size: int,
                  **kwargs: Any):
-        kwargs.pop("split_examples", None)
         super().__init__(dataset, processing.tokenizer, max_length, rank, world_size, split_examples=False, **kwargs)
         self.processing = processing
 
