@@ -141,3 +141,14 @@ def test_planner_vs_published_sets_our_estimates_beside_their_measurements(capsy
     speedup = next(row for row in rows if row["setup"] == "HSDP / FSDP speed-up")
     assert speedup["published (their measurement)"] == "1.34x" and float(speedup["planner estimate (ours)"][:-1]) > 1
     assert "nothing here was measured by this project" in report
+
+
+def test_image_packing_efficiency_quick_conserves_tokens(capsys):
+    report = run_quick(capsys, "image_packing_efficiency")
+    rows = {row["strategy"]: row for row in table_rows(report, "strategy")}
+    assert len({row["real tokens"] for row in rows.values()}) == 1  # every strategy trains the same tokens
+    padded = rows["one example per row, padded to max_length"]
+    best_fit = rows["ours, whole examples, best-fit 1024"]
+    arrival = rows["ours, whole examples, arrival order"]
+    assert number(best_fit["rows"]) <= number(arrival["rows"]) < number(padded["rows"])
+    assert number(best_fit["padding share"]) < number(padded["padding share"])

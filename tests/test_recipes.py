@@ -27,7 +27,7 @@ TWIN_MAY_DIFFER = {
     "model_name_or_path", "dataset_name", "dataset_config", "dataset_revision", "dataset_streaming",
     "export_dtype", "max_length", "max_steps", "num_train_epochs", "learning_rate", "save_steps",
     "output_dir", "bf16", "use_cpu", "attn_implementation", "max_train_samples", "logging_steps",
-    "per_device_train_batch_size", "dtype", "model_revision",
+    "per_device_train_batch_size", "dtype", "model_revision", "max_pixels",
 }
 
 

@@ -71,6 +71,16 @@ class DataArguments(ScriptArguments):
         metadata={"help": "With pack_blocks and split_examples: false: how many waiting conversations a block may "
                   "choose from (it starts with the oldest, then takes the longest that fit); 1 = arrival order."},
     )
+    min_pixels: int | None = field(
+        default=None,
+        metadata={"help": "Image rows: the fewest pixels an image is resized to (the image processor's shortest_edge); "
+                  "None keeps the model's own. Bounds the image tokens from below."},
+    )
+    max_pixels: int | None = field(
+        default=None,
+        metadata={"help": "Image rows: the most pixels an image is resized to (longest_edge), i.e. at most "
+                  "max_pixels / (patch_size * merge_size)**2 image tokens; None keeps the model's own."},
+    )
     chat_template_kwargs: dict | None = field(
         default=None, metadata={"help": "Extra chat-template variables, e.g. {enable_thinking: false}."}
     )
@@ -125,6 +135,16 @@ class ModelArguments(ModelConfig):
     lora_alpha_pattern: dict[str, int] | None = field(
         default=None,
         metadata={"help": "LoRA alpha per target, by the end of its name (PEFT alpha_pattern); others get lora_alpha."},
+    )
+    freeze_vision_tower: bool = field(
+        default=True,
+        metadata={"help": "A VLM's vision tower (patch embedding, blocks) is not trained; with image data, false "
+                  "trains it too. Text-only data always leaves it frozen (it gets no gradient)."},
+    )
+    train_vision_merger: bool = field(
+        default=True,
+        metadata={"help": "With image data and a frozen tower: still train the merger (the projector from the tower "
+                  "into the text model), as Qwen-VL fine-tuning usually does."},
     )
     dequantize_mxfp4: bool = field(
         default=False,

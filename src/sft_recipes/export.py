@@ -8,6 +8,7 @@ reloading it and comparing logits with the trained model.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,11 +52,30 @@ def export_consolidated(trainer, output_dir: str | Path, export_dtype: str = "au
     return output_dir
 
 
-def first_input_ids(dataset) -> list[int]:
-    """A real training input to probe the export with (map-style or streamed dataset)."""
+# A VLM checkpoint's processor files besides the tokenizer's: what AutoImageProcessor / AutoProcessor read.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+
+
+def copy_processor_files(source_dir: str | Path, output_dir: str | Path) -> list[str]:
+    """Copy the source checkpoint's processor files into the export (training never changes them); their names."""
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (Path(source_dir) / name).is_file():
+            shutil.copyfile(Path(source_dir) / name, Path(output_dir) / name)
+            copied.append(name)
+    return copied
+
+
+def probe_inputs(dataset, image_token_id: int | None = None) -> list[int] | dict[str, torch.Tensor]:
+    """What the reload check runs: the first 64 training tokens, or for image blocks the first block's first
+    example whole, with its images (the check then runs the vision tower too)."""
     streamed = isinstance(dataset, (torch.utils.data.IterableDataset, datasets.IterableDataset))
     row = next(iter(dataset)) if streamed else dataset[0]
-    return list(row["input_ids"])
+    if "pixel_values" not in row:
+        return list(row["input_ids"])[:64]
+    from sft_recipes.data.vision import first_example_inputs
+
+    return first_example_inputs(row, image_token_id)
 
 
 @torch.no_grad()
@@ -145,15 +165,16 @@ def logit_tolerance(trained: torch.dtype, reloaded: torch.dtype) -> float:
 
 
 def _compare_with_reloaded(
-    trainer, output_dir: str | Path, probe_ids: list[int], reload: Callable[[], torch.nn.Module], atol: float | None,
+    trainer, output_dir: str | Path, probe_ids: list[int] | dict[str, torch.Tensor],
+    reload: Callable[[], torch.nn.Module], atol: float | None,
     on_reloaded: Callable[[torch.nn.Module], None] | None = None,
 ) -> float:
     accelerator = trainer.accelerator
     model = trainer.model
     was_training = model.training
     model.eval()
-    input_ids = torch.tensor([probe_ids], device=accelerator.device)
-    trained_logits = model(input_ids=input_ids).logits.float().cpu()
+    probe = probe_ids if isinstance(probe_ids, dict) else {"input_ids": torch.tensor([probe_ids])}
+    trained_logits = model(**{key: value.to(accelerator.device) for key, value in probe.items()}).logits.float().cpu()
     model.train(was_training)
 
     outcome: list = [None]
@@ -161,7 +182,7 @@ def _compare_with_reloaded(
         reloaded = reload().eval()
         reloaded_dtype = next(reloaded.parameters()).dtype
         tolerance = atol if atol is not None else logit_tolerance(trained_compute_dtype(trainer), reloaded_dtype)
-        logits = reloaded(input_ids=input_ids.cpu()).logits.float()
+        logits = reloaded(**probe).logits.float()
         diff = (logits - trained_logits).abs().max().item()
         if on_reloaded is not None and diff <= tolerance:  # e.g. sample generations: only from a checked export
             on_reloaded(reloaded)
@@ -209,7 +230,7 @@ def _export_and_check(trainer, model_args, output_dir: Path, load_base: Callable
         export_consolidated(trainer, output_dir, model_args.export_dtype)
     if not model_args.verify_export:
         return None
-    probe_ids = first_input_ids(trainer.training_data)[:64]
+    probe_ids = probe_inputs(trainer.training_data, getattr(trainer.model.config, "image_token_id", None))
     if model_args.use_peft:
         return verify_adapter_export(trainer, output_dir, load_base, probe_ids, on_reloaded=on_reloaded)
     return verify_export(trainer, output_dir, probe_ids, on_reloaded=on_reloaded)

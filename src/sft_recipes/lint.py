@@ -18,7 +18,7 @@ import torch
 from sft_recipes.batching import derive_gradient_accumulation
 from sft_recipes.config import Recipe, RecipeError
 from sft_recipes.data.formats import CHAT_FORMATS
-from sft_recipes.data.mixture import is_streamed
+from sft_recipes.data.mixture import has_images, is_streamed
 from sft_recipes.distributed import launch_flag, launched_world_size
 
 
@@ -188,6 +188,13 @@ def sequence_parallel_without_block_packing(recipe: Recipe, ctx: LintContext) ->
     return None
 
 
+def sequence_parallel_on_image_data(recipe: Recipe, ctx: LintContext) -> str | None:
+    if _sequence_parallel(recipe) and has_images(recipe.data):
+        return ("sequence parallelism does not shard image blocks yet (an image's tokens, pixels and mRoPE positions "
+                "would be split across ranks); set sequence_parallel_size: 1 for image data")
+    return None
+
+
 def sequence_parallel_attention_implementation(recipe: Recipe, ctx: LintContext) -> str | None:
     from sft_recipes.architectures.sequence_parallel import SUPPORTED_IMPLEMENTATIONS
 
@@ -261,6 +268,7 @@ RULES = (
     batch_the_world_cannot_produce,
     sequence_parallel_with_trl_packing,
     sequence_parallel_without_block_packing,
+    sequence_parallel_on_image_data,
     sequence_parallel_attention_implementation,
     sequence_parallel_size_not_dividing_the_world,
     block_length_not_divisible_by_sequence_parallel_size,

@@ -735,6 +735,7 @@ def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None
     RecipeError for anything that stops the plan (the recipe, the launcher's settings, the model's config).
     """
     from sft_recipes.config import load_recipe
+    from sft_recipes.data.mixture import has_images
     from sft_recipes.lint import LintContext, lint_recipe
 
     accelerate_config = config_for_recipe(config_file, recipe_path)
@@ -756,6 +757,11 @@ def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None
     command = f".venv/bin/accelerate launch --config_file {config_file or header_accelerate_config(recipe_path) or 'CONFIG'} " \
               f"scripts/sft.py {recipe_path} {' '.join(overrides)}".rstrip()
     text = format_plan(plan) + "\n" + format_layouts(layouts, command)
+    if has_images(recipe.data):  # what the tower and the images add (vision_plan.py)
+        from sft_recipes.vision_plan import vision_plan_lines
+
+        config = read_model_config(model_args.model_name_or_path, model_args.model_revision, download=False)
+        text = "\n".join([*vision_plan_lines(recipe, config, world_size), text])
     if plan_json:
         Path(plan_json).write_text(json.dumps({**plan.to_dict(), **layouts.to_dict()}, indent=2))
         text += f"\nplan written to {plan_json}"

@@ -20,6 +20,8 @@ Each dropped row is counted under the first reason that applies:
   `truncate`, such rows keep their first `max_length` tokens and are counted as truncated; a row
   whose supervised tokens all fall past the cut is dropped (`no_trainable_tokens`; chat rows:
   `truncated_away`, the masking's name for it).
+- vision_messages rows: `image_count_mismatch`, `misplaced_image`, `missing_image`, `unreadable_image`,
+  `image_size` (see `vision.py`); an image conversation longer than a packed block is `overlong`.
 """
 
 from __future__ import annotations
@@ -35,8 +37,15 @@ UNKNOWN_ROLE = "unknown_role"
 NO_ASSISTANT_TURN = "no_assistant_turn"
 OVERLONG = "overlong"
 NO_TRAINABLE_TOKENS = "no_trainable_tokens"
+# vision_messages rows (`vision.py`): image parts vs images, an image where it cannot be, the image files themselves.
+IMAGE_COUNT_MISMATCH = "image_count_mismatch"
+MISPLACED_IMAGE = "misplaced_image"
+MISSING_IMAGE = "missing_image"
+UNREADABLE_IMAGE = "unreadable_image"
+IMAGE_SIZE = "image_size"
 ROW_DROP_REASONS = (INVALID_JSON, NOT_UTF8, MISSING_FIELD, NOT_A_STRING, EMPTY_CONTENT, UNKNOWN_ROLE, NO_ASSISTANT_TURN, OVERLONG,
-                    NO_TRAINABLE_TOKENS)
+                    NO_TRAINABLE_TOKENS, IMAGE_COUNT_MISMATCH, MISPLACED_IMAGE, MISSING_IMAGE, UNREADABLE_IMAGE,
+                    IMAGE_SIZE)
 
 # A streamed dataset read for a packed block stream keeps its bad rows, each flagged with its drop
 # reason in this column (None on good rows), so the reader that meets one counts it (`blocks.py`).

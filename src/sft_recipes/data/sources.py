@@ -311,13 +311,12 @@ def _checked_jsonl(path: Path, data_args) -> tuple[Dataset, DataReport]:
         if problem:
             report.drop(problem, f"line {line.number}", row)
             continue
-        rows.append({column: row.get(column) for column in fmt.columns})
+        rows.append(fmt.stored_row(row))
     fmt.check_columns(sorted(seen_columns), data_args.dataset_name)
     if data_args.max_train_samples is not None:
         rows = rows[: data_args.max_train_samples]
     if not rows:
         report.enforce(0.0)  # raises: nothing is left
-    # Only the format's own columns: a stray column whose type changes between rows would break Arrow.
     return Dataset.from_list(rows), report
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from sft_recipes.architectures.sequence_parallel import sequence_parallel_suspended
 from sft_recipes.errors import RecipeError
-from sft_recipes.export import export_run
+from sft_recipes.export import copy_processor_files, export_run
 from sft_recipes.reporting.export_check import ExportCheck
 from sft_recipes.reporting.load_export import load_export
 from sft_recipes.reporting.run_end import report_run_end
@@ -71,6 +71,7 @@ def finish(run: Run, training: Training) -> RunResult:
                        summary=None)
     if not run.is_main:
         return result
+    copy_processor_files(run.source.path, output_dir)  # a VLM's image processor: the export loads as it came in
     report = summary.finish(training.seconds, output_dir, logit_diff, training.resumed_from, training.layout)
     # How to prompt the export as it was trained, and whether it is a random stand-in (scripts/show_run.py reads both)
     report.update(prompt_style=prompt_style(recipe.data), stand_in_note=random_stand_in(recipe.model.model_name_or_path))

@@ -10,6 +10,7 @@ from functools import cached_property
 from sft_recipes.batching import derive_gradient_accumulation
 from sft_recipes.config import Recipe
 from sft_recipes.data.formats import FORMATS, DatasetFormat, Tokenization
+from sft_recipes.data.mixture import has_images
 from sft_recipes.distributed import enable_cpu_fsdp, launched_world_size
 from sft_recipes.fault.collective_timeout import bound_collective_waits
 from sft_recipes.fault.output_disk import refuse_unwritable_output_dir
@@ -52,6 +53,11 @@ class Run:
     def packs_blocks(self) -> bool:
         """Conversations stream per rank into block-diagonal blocks (`pack_blocks`), instead of TRL's dataset."""
         return self.recipe.data.pack_blocks
+
+    @cached_property
+    def has_images(self) -> bool:
+        """An image source in the recipe: image blocks, the image preflight, the vision tower per the recipe."""
+        return has_images(self.recipe.data)
 
     @cached_property
     def data_format(self) -> DatasetFormat:
