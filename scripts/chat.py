@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Chat with a run's export: a consolidated model, or base + PEFT adapter (read from OUTPUT_DIR).
 
-    python scripts/chat.py outputs/demo                                # interactive; empty line or Ctrl-D ends
-    python scripts/chat.py outputs/demo --prompt "What is 2 + 3?"      # answer once, exit 0
-    python scripts/chat.py outputs/lora --base_model path/to/base      # adapter onto another copy of its base
+    .venv/bin/python scripts/chat.py outputs/demo                                # interactive; empty line or Ctrl-D ends
+    .venv/bin/python scripts/chat.py outputs/demo --prompt "What is 2 + 3?"      # answer once, exit 0
+    .venv/bin/python scripts/chat.py outputs/lora --base_model path/to/base      # adapter onto another copy of its base
+    .venv/bin/python scripts/chat.py outputs/vision --image cat.png --prompt "What is in the picture?"  # a VLM export
 
 Each turn goes through the tokenizer's chat template (the whole conversation so far); the answer
 streams token by token. Greedy unless --temperature > 0.
@@ -20,15 +21,35 @@ from transformers import TextStreamer
 from sft_recipes.reporting.load_export import load_export
 
 
-def answer(model, tokenizer, conversation: list[dict], max_new_tokens: int, temperature: float) -> str:
-    inputs = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True)
+def answer(model, tokenizer, conversation: list[dict], max_new_tokens: int, temperature: float,
+           inputs: dict | None = None) -> str:
+    if inputs is None:
+        inputs = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=max_new_tokens, streamer=streamer,
                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling)
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def image_prompt_inputs(output_dir: str, model, tokenizer, prompt: str, image_paths: list[str]) -> dict:
+    """The question with its images placed before it, as vision_messages rows are trained."""
+    from transformers import AutoImageProcessor
+
+    from sft_recipes.data.vision import IMAGE_PLACEHOLDER, VisionProcessing, image_record, open_image
+
+    if not hasattr(model.config, "vision_config"):
+        raise ValueError(f"{output_dir} is a text-only model; --image needs a VLM export.")
+    images = [open_image(image_record(path, None)) for path in image_paths]
+    problems = [f"{path}: {image}" for path, image in zip(image_paths, images) if isinstance(image, str)]
+    if problems:
+        raise ValueError(f"cannot read {', '.join(problems)}; give PNG/JPEG files.")
+    processing = VisionProcessing(tokenizer, AutoImageProcessor.from_pretrained(output_dir, backend="pil"),
+                                  model.config)
+    conversation = [{"role": "user", "content": IMAGE_PLACEHOLDER * len(images) + prompt}]
+    return processing.prompt_inputs(conversation, images)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,12 +59,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max_new_tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--base_model", help="for an adapter: load it onto this base instead of the one it names")
+    parser.add_argument("--image", action="append", default=[],
+                        help="with --prompt: an image the question is about (a VLM export; repeat for several)")
     args = parser.parse_args(argv)
     try:
         model, tokenizer = load_export(args.output_dir, args.base_model)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.image:
+        if args.prompt is None:
+            print("error: --image answers one question about it: give --prompt too", file=sys.stderr)
+            return 2
+        try:
+            inputs = image_prompt_inputs(args.output_dir, model, tokenizer, args.prompt, args.image)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        answer(model, tokenizer, [], args.max_new_tokens, args.temperature, inputs=inputs)
+        return 0
     if args.prompt is not None:
         answer(model, tokenizer, [{"role": "user", "content": args.prompt}], args.max_new_tokens, args.temperature)
         return 0

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Supervised fine-tuning with TRL's SFTTrainer, driven by one recipe YAML.
 
-    accelerate launch --config_file accelerate_configs/fsdp2_8gpu.yaml scripts/sft.py recipes/llama8b.yaml
-    accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml scripts/sft.py recipes/tiny/llama8b.yaml \
+    .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_8gpu.yaml scripts/sft.py recipes/llama8b.yaml
+    .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml scripts/sft.py recipes/tiny/llama8b.yaml \
         --max_steps 5 --output_dir outputs/try
 
 Any recipe key can be overridden with `--key value` (and by a workload's `parameters:` block, named
@@ -39,8 +39,9 @@ def parse_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--plan-json", help="with --dry-run: also write the plan as JSON to this path")
     parser.add_argument("--workload", help="with --dry-run: check this AI Runtime workload file (as `python -m "
                         "sft_recipes.workload check` does) and plan with its parameters and accelerate config")
-    parser.add_argument("--gpu", default="H100", choices=("H100", "H200", "B200", "B300"),
-                        help="with --dry-run: the GPU the communication estimate, layout comparison and suggestions are for")
+    parser.add_argument("--gpu", choices=("H100", "H200", "B200", "B300"),
+                        help="with --dry-run: the GPU the communication estimate, layout comparison and suggestions are "
+                             "for (default: the one the recipe's first header line names, else H100)")
     parser.add_argument("--intra_node_gbps", type=float,
                         help="with --dry-run: NVLink Gb/s per GPU each way (default: the --gpu's, docs/planner.md)")
     parser.add_argument("--inter_node_gbps", type=float,
@@ -74,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def main_then_tear_down() -> int:
     with process_group_destroyed_on_exit():
-        exit_code = one_line_refusals(main)
-    sys.exit(exit_code)
+        return main()
+
+
+if __name__ == "__main__":
+    sys.exit(one_line_refusals(main_then_tear_down))  # the `error:` line, if any, is the last thing written

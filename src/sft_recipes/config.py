@@ -71,6 +71,16 @@ class DataArguments(ScriptArguments):
         metadata={"help": "With pack_blocks and split_examples: false: how many waiting conversations a block may "
                   "choose from (it starts with the oldest, then takes the longest that fit); 1 = arrival order."},
     )
+    min_pixels: int | None = field(
+        default=None,
+        metadata={"help": "Image rows: the fewest pixels an image is resized to (the image processor's shortest_edge); "
+                  "None keeps the model's own. Bounds the image tokens from below."},
+    )
+    max_pixels: int | None = field(
+        default=None,
+        metadata={"help": "Image rows: the most pixels an image is resized to (longest_edge), i.e. at most "
+                  "max_pixels / (patch_size * merge_size)**2 image tokens; None keeps the model's own."},
+    )
     chat_template_kwargs: dict | None = field(
         default=None, metadata={"help": "Extra chat-template variables, e.g. {enable_thinking: false}."}
     )
@@ -126,6 +136,16 @@ class ModelArguments(ModelConfig):
         default=None,
         metadata={"help": "LoRA alpha per target, by the end of its name (PEFT alpha_pattern); others get lora_alpha."},
     )
+    freeze_vision_tower: bool = field(
+        default=True,
+        metadata={"help": "A VLM's vision tower (patch embedding, blocks) is not trained; with image data, false "
+                  "trains it too. Text-only data always leaves it frozen (it gets no gradient)."},
+    )
+    train_vision_merger: bool = field(
+        default=True,
+        metadata={"help": "With image data and a frozen tower: still train the merger (the projector from the tower "
+                  "into the text model), as Qwen-VL fine-tuning usually does."},
+    )
     dequantize_mxfp4: bool = field(
         default=False,
         metadata={"help": "Load an MXFP4 checkpoint (gpt-oss) dequantized to `dtype` (Mxfp4Config(dequantize=True)), "
@@ -176,6 +196,12 @@ class TrainingArguments(SFTConfig):
                   "[] = no samples."},
     )
     sample_max_new_tokens: int = field(default=64, metadata={"help": "Longest sample answer, in tokens."})
+    include_num_input_tokens_seen: str | bool = field(
+        default="non_padding",
+        metadata={"help": "Count the input tokens trained on (the model card's `tokens seen`, kept in checkpoints): "
+                  "padding left out, a sequence-parallel group's block once; one number gathered per micro-batch. "
+                  "'no' turns it off (transformers' default)."},
+    )
     sequence_parallel_size: int = field(
         default=1,
         metadata={"help": "Ranks that share each packed block (Ulysses sequence parallelism): each holds 1/N of its "

@@ -8,6 +8,7 @@ reloading it and comparing logits with the trained model.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,11 +52,30 @@ def export_consolidated(trainer, output_dir: str | Path, export_dtype: str = "au
     return output_dir
 
 
-def first_input_ids(dataset) -> list[int]:
-    """A real training input to probe the export with (map-style or streamed dataset)."""
+# A VLM checkpoint's processor files besides the tokenizer's: what AutoImageProcessor / AutoProcessor read.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+
+
+def copy_processor_files(source_dir: str | Path, output_dir: str | Path) -> list[str]:
+    """Copy the source checkpoint's processor files into the export (training never changes them); their names."""
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (Path(source_dir) / name).is_file():
+            shutil.copyfile(Path(source_dir) / name, Path(output_dir) / name)
+            copied.append(name)
+    return copied
+
+
+def probe_inputs(dataset, image_token_id: int | None = None) -> list[int] | dict[str, torch.Tensor]:
+    """What the reload check runs: the first 64 training tokens, or for image blocks the first block's first
+    example whole, with its images (the check then runs the vision tower too)."""
     streamed = isinstance(dataset, (torch.utils.data.IterableDataset, datasets.IterableDataset))
     row = next(iter(dataset)) if streamed else dataset[0]
-    return list(row["input_ids"])
+    if "pixel_values" not in row:
+        return list(row["input_ids"])[:64]
+    from sft_recipes.data.vision import first_example_inputs
+
+    return first_example_inputs(row, image_token_id)
 
 
 @torch.no_grad()
@@ -124,24 +144,45 @@ def verify_adapter_export(
                                   on_reloaded)
 
 
+def trained_compute_dtype(trainer) -> torch.dtype:
+    """The precision the trained model computes its logits in: mixed precision's (bf16/fp16 autocast), else its weights'."""
+    args = getattr(trainer, "args", None)
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return next(trainer.model.parameters()).dtype
+
+
+def logit_tolerance(trained: torch.dtype, reloaded: torch.dtype) -> float:
+    """How far the reload's logits may be from the trained model's: fp32 rounding only when both compute in fp32.
+
+    A bf16-trained model exported in float32 (export_dtype: float32) is compared at the precision
+    it trained in: its trained logits carry bf16 rounding (~4e-3 on the tiny twins) that the fp32
+    reload does not, which is no fault of the export.
+    """
+    return 1e-4 if trained == reloaded == torch.float32 else 5e-2
+
+
 def _compare_with_reloaded(
-    trainer, output_dir: str | Path, probe_ids: list[int], reload: Callable[[], torch.nn.Module], atol: float | None,
+    trainer, output_dir: str | Path, probe_ids: list[int] | dict[str, torch.Tensor],
+    reload: Callable[[], torch.nn.Module], atol: float | None,
     on_reloaded: Callable[[torch.nn.Module], None] | None = None,
 ) -> float:
     accelerator = trainer.accelerator
     model = trainer.model
     was_training = model.training
     model.eval()
-    input_ids = torch.tensor([probe_ids], device=accelerator.device)
-    trained_logits = model(input_ids=input_ids).logits.float().cpu()
+    probe = probe_ids if isinstance(probe_ids, dict) else {"input_ids": torch.tensor([probe_ids])}
+    trained_logits = model(**{key: value.to(accelerator.device) for key, value in probe.items()}).logits.float().cpu()
     model.train(was_training)
 
     outcome: list = [None]
     if accelerator.is_main_process:
         reloaded = reload().eval()
         reloaded_dtype = next(reloaded.parameters()).dtype
-        tolerance = atol if atol is not None else (1e-4 if reloaded_dtype == torch.float32 else 5e-2)
-        logits = reloaded(input_ids=input_ids.cpu()).logits.float()
+        tolerance = atol if atol is not None else logit_tolerance(trained_compute_dtype(trainer), reloaded_dtype)
+        logits = reloaded(**probe).logits.float()
         diff = (logits - trained_logits).abs().max().item()
         if on_reloaded is not None and diff <= tolerance:  # e.g. sample generations: only from a checked export
             on_reloaded(reloaded)
@@ -189,7 +230,7 @@ def _export_and_check(trainer, model_args, output_dir: Path, load_base: Callable
         export_consolidated(trainer, output_dir, model_args.export_dtype)
     if not model_args.verify_export:
         return None
-    probe_ids = first_input_ids(trainer.training_data)[:64]
+    probe_ids = probe_inputs(trainer.training_data, getattr(trainer.model.config, "image_token_id", None))
     if model_args.use_peft:
         return verify_adapter_export(trainer, output_dir, load_base, probe_ids, on_reloaded=on_reloaded)
     return verify_export(trainer, output_dir, probe_ids, on_reloaded=on_reloaded)

@@ -158,6 +158,9 @@ _TINY_TEXT_SIZES = {
 # out_hidden_size is set to the text hidden size in tiny_config (the merger feeds the text tower).
 _TINY_QWEN3_5_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, num_position_embeddings=64)
 
+# The tiny twin's image bounds: 32x32 to 128x128 pixels, i.e. 1 to 16 image tokens (16-pixel patches, 2x2 merged).
+TINY_MIN_PIXELS, TINY_MAX_PIXELS = 32 * 32, 128 * 128
+
 # Keys of the real files that do not describe the architecture of a float32 CPU twin.
 _DROPPED_KEYS = ("quantization_config", "transformers_version", "torch_dtype")
 
@@ -342,7 +345,20 @@ def build_tiny_model(model_type: str, out_dir: str | Path, seed: int = 0) -> str
     model.generation_config = _generation_config(model_type)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    if model_type == "qwen3_5":  # the real checkpoint ships its image processor (preprocessor_config.json)
+        tiny_image_processor(config).save_pretrained(out_dir)
     return str(out_dir)
+
+
+def tiny_image_processor(config: PretrainedConfig):
+    """The PIL image processor of the real Qwen3.5 checkpoint's kind (``Qwen2VLImageProcessor``; AutoImageProcessor
+    loads this PIL variant without torchvision), sized to the twin's vision tower and bounded to few image tokens."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    vision = config.vision_config
+    return Qwen2VLImageProcessorPil(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                                    merge_size=vision.spatial_merge_size,
+                                    size={"shortest_edge": TINY_MIN_PIXELS, "longest_edge": TINY_MAX_PIXELS})
 
 
 def ensure_tiny(model_type: str, root: str | Path = DEFAULT_TINY_ROOT, seed: int = 0) -> str:

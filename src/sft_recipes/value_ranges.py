@@ -63,6 +63,8 @@ RANGES: dict[str, Range] = {
     "max_nonfinite_steps_in_a_row": AT_LEAST_ONE,
     "sequence_parallel_size": Range(1, note="1 turns it off"),
     "sample_max_new_tokens": AT_LEAST_ONE,
+    "min_pixels": Range(1, note="pixels of the smallest resized image; null keeps the checkpoint's"),
+    "max_pixels": Range(1, note="pixels of the largest resized image; null keeps the checkpoint's"),
     # TRL's ModelConfig / SFTConfig
     "lora_r": AT_LEAST_ONE,
     "lora_alpha": POSITIVE,

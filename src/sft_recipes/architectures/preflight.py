@@ -133,3 +133,110 @@ def shrink_config(config: PretrainedConfig) -> PretrainedConfig:
         text["num_hidden_layers"] = 2
     model_type = text.pop("model_type")
     return AutoConfig.for_model(model_type, **text)
+
+
+# ── Image + text packing (dataset_format: vision_messages) ───────────────────────────────────────
+
+# The probe's images as (t, h, w) patch grids: two images in one example, a text-only example between.
+PROBE_IMAGE_GRIDS = (((1, 4, 6),), (), ((1, 4, 4), (1, 2, 2)))
+_TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, num_position_embeddings=64)
+
+
+def check_image_packing_leak(config: PretrainedConfig, tolerance: float = DEFAULT_TOLERANCE) -> None:
+    """Raise RecipeError if packed image + text blocks of this VLM would differ from their examples run alone.
+
+    The recipe's config shrunk (text tower as for text packing, a tiny vision tower of the same kind), random
+    weights with leaks exposed, prepared as training prepares it; the probe's examples are collated by the
+    same `VisionBlockCollator` the run uses, and each example alone goes through the model's own path
+    (``mm_token_type_ids``: the model computes its positions itself).
+    """
+    from transformers import AutoModelForImageTextToText
+
+    from sft_recipes.architectures.qwen3_5 import prepare_for_image_packing
+
+    tiny = tiny_vlm_config(config)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(tiny, attn_implementation="sdpa", dtype=torch.float32)
+    model.to(device).eval()
+    quirk = PACKING_QUIRKS.get(model.config.model_type)
+    if quirk is not None and quirk.expose_leaks is not None:
+        quirk.expose_leaks(model)
+    prepare_for_packing(model)
+    prepare_for_image_packing(model)
+    difference = image_packed_vs_separate_difference(model, probe_image_examples(tiny))
+    if difference > tolerance:
+        raise RecipeError(
+            f"Packed image + text examples leak into each other for model_type {config.model_type!r}: a packed block "
+            f"differs from its examples run alone by up to {difference:.2e} (tolerance {tolerance:.0e}). Turn "
+            "pack_blocks off for this image recipe, or fix sft_recipes.data.vision (positions, image order) and "
+            "architectures.qwen3_5.prepare_for_image_packing until this check passes."
+        )
+    logger.info("image packing preflight passed for %s: max |packed - separate| = %.1e", config.model_type, difference)
+
+
+def tiny_vlm_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The VLM ``config`` with its text model shrunk as `shrink_config` does and a tiny vision tower of its kind."""
+    text = shrink_config(config).to_dict()
+    vision = {**config.vision_config.to_dict(), **_TINY_VISION, "out_hidden_size": text["hidden_size"]}
+    text["vocab_size"] = max(text["vocab_size"], 16)
+    full = {**config.to_dict(), "text_config": text, "vision_config": vision}
+    # The vision token ids index the tiny embedding: put them at its top.
+    for offset, key in enumerate(("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")):
+        full[key] = text["vocab_size"] - 1 - offset
+    for key in ("quantization_config", "transformers_version"):
+        full.pop(key, None)
+    return AutoConfig.for_model(**full)
+
+
+def probe_image_examples(config: PretrainedConfig, text_lengths: tuple[int, ...] = PROBE_LENGTHS):
+    """Random `VisionExample`s: ``text_lengths`` text tokens, each image's tokens after the first few (between
+    vision start/end tokens), random patches; positions from `vision.mrope_positions`."""
+    from sft_recipes.data.vision import VisionExample, mrope_positions
+
+    generator = torch.Generator().manual_seed(0)
+    vision = config.vision_config
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    text_vocab = config.vision_end_token_id - 3  # plain text ids stay below the four vision ids
+    examples = []
+    for length, grids in zip(text_lengths, PROBE_IMAGE_GRIDS):
+        ids = torch.randint(0, text_vocab, (length,), generator=generator).tolist()
+        for grid in grids:
+            tokens = grid[0] * grid[1] * grid[2] // vision.spatial_merge_size ** 2
+            ids[2:2] = [config.vision_start_token_id, *[config.image_token_id] * tokens, config.vision_end_token_id]
+        labels = [token if token < text_vocab and index > len(ids) // 2 else -100 for index, token in enumerate(ids)]
+        grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+        pixels = torch.randn(int(grid.prod(-1).sum()), width, generator=generator)
+        examples.append(VisionExample(ids, labels, pixels, grid, mrope_positions(config, torch.tensor(ids), grid)))
+    return examples
+
+
+def image_packed_vs_separate_difference(model: torch.nn.Module, examples, pad: int = 5) -> float:
+    """Max |difference| of logits and loss between `examples` packed in one block (with a padding tail) and alone."""
+    from sft_recipes.data.blocks import join_examples
+    from sft_recipes.data.vision import VisionBlockCollator
+
+    device = next(model.parameters()).device
+    block = join_examples([vars(example) for example in examples])
+    length = len(block["input_ids"]) + pad
+    batch = VisionBlockCollator(length, pad_token_id=0)([block])
+    batch = {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
+    with torch.no_grad():
+        packed = model(**batch, use_cache=False)
+        alone = [model(**example_inputs(example, model.config, device), use_cache=False) for example in examples]
+    separate_logits = torch.cat([output.logits[0] for output in alone])
+    targets = torch.tensor([sum(label != -100 for label in example.labels[1:]) for example in examples], device=device)
+    separate_loss = (torch.stack([output.loss for output in alone]) * targets).sum() / targets.sum()
+    real = separate_logits.shape[0]
+    return max((packed.logits[0, :real] - separate_logits).abs().max().item(), (packed.loss - separate_loss).abs().item())
+
+
+def example_inputs(example, config: PretrainedConfig, device) -> dict:
+    """One example as the model takes it alone: its own path computes the positions (``mm_token_type_ids``)."""
+    ids = torch.tensor([example.input_ids], device=device)
+    inputs = {"input_ids": ids, "labels": torch.tensor([example.labels], device=device)}
+    if example.image_grid_thw.numel():
+        inputs.update(pixel_values=example.pixel_values.to(device), image_grid_thw=example.image_grid_thw.to(device),
+                      mm_token_type_ids=(ids == config.image_token_id).int())
+    return inputs

@@ -162,3 +162,53 @@ def _segment_aware_chunk_rule(original: Callable) -> Callable:
         return output, torch.cat(final_states) if output_final_state else None
 
     return _mark(torch_chunk_gated_delta_rule, original)
+
+
+# Boundary kwargs of the packed text rows (`data/collator.pack_kwargs`): Qwen3_5Model hands its **kwargs to the
+# vision tower too, where flash attention would get cu_seq_lens_q twice (the tower passes its own per image).
+_TEXT_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def prepare_for_image_packing(model: torch.nn.Module) -> None:
+    """Packed image + text rows on a qwen3_5 VLM: the tower sees only its own boundaries, and runs every step.
+
+    - The text rows' boundary kwargs are taken off the vision tower's call (it keeps each image apart itself,
+      through the ``cu_seqlens`` it builds from ``image_grid_thw``).
+    - A batch without images (``pixel_values`` empty or absent) encodes one blank 2x2-merge image whose features
+      join the output times zero: every rank enters the tower every step, as FSDP2's collectives over its
+      shards require, and a trained tower gets its (zero) gradient on every rank. ms-swift and LLaMA-Factory
+      feed a dummy image for the same reason under ZeRO-3.
+    Idempotent.
+    """
+    vlm = next(module for module in model.modules() if hasattr(module, "visual") and hasattr(module, "language_model"))
+    if getattr(vlm, _SEGMENT_AWARE, False):
+        return
+    vlm.visual.register_forward_pre_hook(_without_text_packing_kwargs, with_kwargs=True)
+    vlm.register_forward_pre_hook(_note_missing_images, with_kwargs=True)
+    vlm.register_forward_hook(_blank_image_when_none, with_kwargs=True)
+    setattr(vlm, _SEGMENT_AWARE, True)
+
+
+def _without_text_packing_kwargs(module, args, kwargs):
+    return args, {key: value for key, value in kwargs.items() if key not in _TEXT_PACKING_KWARGS}
+
+
+def _note_missing_images(module, args, kwargs):
+    pixel_values = kwargs.get("pixel_values")
+    module._sft_recipes_no_images = pixel_values is None or pixel_values.numel() == 0
+    if module._sft_recipes_no_images:
+        kwargs = {**kwargs, "pixel_values": None, "image_grid_thw": None}
+    return args, kwargs
+
+
+def _blank_image_when_none(module, args, kwargs, output):
+    if not module._sft_recipes_no_images:
+        return output
+    config = module.visual.config
+    merge = config.spatial_merge_size
+    width = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
+    grid = torch.tensor([[1, merge, merge]], device=output.last_hidden_state.device)
+    pixels = torch.zeros(merge * merge, width, device=grid.device, dtype=module.visual.dtype)
+    features = module.visual(pixels, grid_thw=grid).pooler_output
+    output.last_hidden_state = output.last_hidden_state + 0.0 * features.sum().to(output.last_hidden_state.dtype)
+    return output

@@ -4,6 +4,8 @@ Text-only batches give the vision tower no gradients, so AdamW never updates it;
 that holds its parameters breaks resume (torch.distributed.checkpoint initialises state for every
 parameter of the fresh optimizer and then finds none saved for the tower), and its fp32 state
 costs memory for nothing. Freezing it trains exactly the same model; the export keeps it unchanged.
+Image SFT (`dataset_format: vision_messages`) chooses: `freeze_vision_tower` (default true) keeps the
+tower frozen and `train_vision_merger` (default true) still trains its merger; false trains it all.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import torch
 
 # model_type -> the vision tower's module path in the checkpoint's own class.
 VISION_TOWERS = {"qwen3_5": "model.visual"}
+# The tower's projector into the text model, inside the tower.
+VISION_MERGERS = {"qwen3_5": "merger"}
 
 
 def text_decoder(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -21,11 +25,14 @@ def text_decoder(model: torch.nn.Module) -> torch.nn.Module | None:
     return decoders[0] if len(decoders) == 1 else None
 
 
-def freeze_vision_tower(model: torch.nn.Module) -> int:
-    """Freeze the vision tower of a VLM checkpoint (in place); return how many parameters it has."""
+def freeze_vision_tower(model: torch.nn.Module, keep_merger: bool = False) -> int:
+    """Freeze the vision tower of a VLM checkpoint (in place), its merger too unless `keep_merger` (image SFT
+    trains the projector into the text model); return how many parameters were frozen."""
     path = VISION_TOWERS.get(model.config.model_type)
     if path is None:
         return 0
     tower = model.get_submodule(path)
     tower.requires_grad_(False)
-    return sum(parameter.numel() for parameter in tower.parameters())
+    if keep_merger:
+        tower.get_submodule(VISION_MERGERS[model.config.model_type]).requires_grad_(True)
+    return sum(parameter.numel() for parameter in tower.parameters() if not parameter.requires_grad)

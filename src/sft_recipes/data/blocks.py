@@ -81,19 +81,20 @@ def fill_blocks(examples: Iterable[dict[str, list[int]]], max_length: int, split
         yield {"input_ids": ids, "labels": labels, "seq_lengths": lengths}
 
 
-def _pack_whole_examples(examples: Iterable[dict[str, list[int]]], max_length: int, window: int
-                         ) -> Iterator[dict[str, list[int]]]:
+def _pack_whole_examples(examples: Iterable[dict[str, Any]], max_length: int, window: int
+                         ) -> Iterator[dict[str, Any]]:
     """Each block starts with the oldest waiting example, then takes the longest waiting ones that still fit.
 
     Up to `window` examples wait; `window=1` is plain arrival order. On UltraChat-like data at 8192
     tokens this fills ~99% of the slots against ~88% in arrival order, about as full as TRL's
     best-fit-decreasing over the whole dataset (benchmarks/README.md), yet it streams, and an example
-    is never trained more than about `window` examples away from its place in the data.
+    is never trained more than about `window` examples away from its place in the data. An example's
+    other fields (an image example's pixels and positions) travel with it (`join_examples`).
     """
     if window < 1:
         raise ValueError(f"packing_window must be at least 1 (1 packs in arrival order), got {window}.")
     arrivals = iter(examples)
-    waiting: dict[int, tuple[list[int], list[int]]] = {}
+    waiting: dict[int, dict[str, Any]] = {}
     by_length: list[tuple[int, int]] = []  # sorted (length, -arrival): the longest fitting, oldest first
     order: deque[int] = deque()  # arrival numbers; ones already packed are skipped lazily
     arrived = 0
@@ -104,10 +105,12 @@ def _pack_whole_examples(examples: Iterable[dict[str, list[int]]], max_length: i
             example = next(arrivals, None)
             if example is None:
                 return
-            ids, labels = example["input_ids"][:max_length], example["labels"][:max_length]
-            if ids:
-                waiting[arrived] = (ids, labels)
-                bisect.insort(by_length, (len(ids), -arrived))
+            if len(example["input_ids"]) > max_length:
+                example = {**example, "input_ids": example["input_ids"][:max_length],
+                           "labels": example["labels"][:max_length]}
+            if example["input_ids"]:
+                waiting[arrived] = example
+                bisect.insort(by_length, (len(example["input_ids"]), -arrived))
                 order.append(arrived)
                 arrived += 1
 
@@ -116,23 +119,36 @@ def _pack_whole_examples(examples: Iterable[dict[str, list[int]]], max_length: i
         while order[0] not in waiting:
             order.popleft()
         oldest = order.popleft()
-        ids, labels = waiting.pop(oldest)
-        by_length.remove((len(ids), -oldest))
+        members = [waiting.pop(oldest)]
+        by_length.remove((len(members[0]["input_ids"]), -oldest))
         refill()
-        block_ids, block_labels, lengths = list(ids), list(labels), [len(ids)]
-        room = max_length - len(ids)
+        room = max_length - len(members[0]["input_ids"])
         while room and by_length:
             best = bisect.bisect_right(by_length, (room, 1)) - 1  # (room, 1) sorts after every (room, -arrival)
             if best < 0:
                 break
             length, negative_arrival = by_length.pop(best)
-            ids, labels = waiting.pop(-negative_arrival)
+            members.append(waiting.pop(-negative_arrival))
             refill()
-            block_ids += ids
-            block_labels += labels
-            lengths.append(length)
             room -= length
-        yield {"input_ids": block_ids, "labels": block_labels, "seq_lengths": lengths}
+        yield join_examples(members)
+
+
+def join_examples(members: list[dict[str, Any]]) -> dict[str, Any]:
+    """One block of whole examples, in order: tokens, labels, segment lengths, and any other per-example field
+    (`EXAMPLE_TENSORS`: tensors joined along the axis of their examples)."""
+    block = {"input_ids": [token for member in members for token in member["input_ids"]],
+             "labels": [label for member in members for label in member["labels"]],
+             "seq_lengths": [len(member["input_ids"]) for member in members]}
+    for key, axis in EXAMPLE_TENSORS.items():
+        if key in members[0]:
+            block[key] = torch.cat([member[key] for member in members], dim=axis)
+    return block
+
+
+# Per-example tensors that image examples carry into their block (see data/vision.py): patches, grids, t/h/w
+# positions, and how many images each example has.
+EXAMPLE_TENSORS = {"pixel_values": 0, "image_grid_thw": 0, "mrope_positions": 1, "num_images": 0}
 
 
 @dataclass
@@ -212,6 +228,21 @@ class StreamStats:
                 "blocks (the data report counts each conversation whole when read, the last one read included)")
 
 
+def reader_index(rank: int, ranks: int, worker: int) -> int:
+    """Which of the `ranks x workers` readers (and shards) the dataloader worker `worker` of `rank` is.
+
+    Rank r's i-th micro-batch comes from its worker i % workers (torch's DataLoader takes the
+    workers' batches in turn), and every optimizer step takes the next `accumulation` micro-batches
+    of every rank. Numbering global micro-batches n = i * ranks + r, step s takes n in
+    [s * G/b, (s + 1) * G/b) on any layout with the global batch G of b-block micro-batches; the
+    reader `worker * ranks + rank` is then n % readers and serves it as its (n // readers)-th. So
+    which block of which reader a step trains on depends on the reader count only: 2 ranks x 2
+    workers, 1 x 4 and 4 x 1 train the same blocks at every step, and resume each other exactly.
+    (`rank * workers + worker` read the same shards in another order on each layout.)
+    """
+    return worker * ranks + rank
+
+
 class RankLocalBlockStream(TorchIterableDataset):
     """This rank's shard of a conversation dataset as an endless stream of packed blocks.
 
@@ -244,7 +275,8 @@ class RankLocalBlockStream(TorchIterableDataset):
         """The conversations of this (rank, dataloader worker) reader."""
         worker = get_worker_info()
         index, count = (worker.id, worker.num_workers) if worker is not None else (0, 1)
-        return split_dataset_by_node(self.dataset, rank=self.rank * count + index, world_size=self.world_size * count)
+        return split_dataset_by_node(self.dataset, rank=reader_index(self.rank, self.world_size, index),
+                                     world_size=self.world_size * count)
 
     def _tokenized(self, pending: StreamStats) -> Iterator[dict[str, list[int]]]:
         # `.iter()` (unlike `__iter__`) does not split the shard again among dataloader workers.

@@ -8,7 +8,8 @@ rules, how its rows become what SFTTrainer trains on, and the length policy, cou
 - alpaca_chat: alpaca rows read as user/assistant conversations (the instruction, then its input, as the
   user turn; the output as the assistant turn), then trained exactly as messages: the model's chat
   template, assistant-only loss, packable. A mixture of alpaca and chat sources trains one prompt style;
-- reasoning: messages whose assistant turns carry `thinking`, checked first to be trained.
+- reasoning: messages whose assistant turns carry `thinking`, checked first to be trained;
+- vision_messages: TRL's image + text chat shape, packed with each example's own mRoPE positions (`vision.py`).
 
 `to_tokens` gives every format's rows one shape, `input_ids` + `labels`, so that sources in
 different formats concatenate into one mixture (`mixture.py`; one dataset is a one-entry mixture);
@@ -57,6 +58,7 @@ class DatasetFormat:
     required: frozenset[str]
     optional: frozenset[str] = frozenset()
     chat = False  # conversations with assistant-only masks: auditable and packable into blocks
+    vision = False  # rows carry images: trained through the image block stream (`vision.py`)
 
     @property
     def columns(self) -> list[str]:
@@ -79,6 +81,11 @@ class DatasetFormat:
     def row_problem(self, row: dict[str, Any]) -> str | None:
         """Why `row` cannot be trained on (a `rows.py` reason), or None when it can."""
         raise NotImplementedError
+
+    def stored_row(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A good row of a local file as it is stored: the format's own columns only (a stray column whose type
+        changes between rows would break Arrow)."""
+        return {column: row.get(column) for column in self.columns}
 
     def as_trained(self, rows: Dataset | IterableDataset) -> Dataset | IterableDataset:
         """The rows in the shape this format trains them, after its row rules and the held-out split (which
@@ -295,6 +302,31 @@ class ReasoningFormat(ChatFormat):
         check_reasoning_is_trained(rows, tokenizer, **tokenization.template_kwargs)
 
 
+class VisionMessagesFormat(ChatFormat):
+    """TRL's image + text shape; rows are stored flat (string contents with image placeholders, `vision.py`), so
+    that they concatenate with text chat sources, and train only through the image block stream."""
+
+    name = "vision_messages"
+    description = ("chat with image parts ({type: image} / {type: text}) and an `images` column, assistant-only loss, "
+                   "packed with per-example mRoPE positions (pack_blocks: true)")
+    required = frozenset({"messages", "images"})
+    vision = True
+
+    def row_problem(self, row):
+        from sft_recipes.data.vision import vision_row_problem
+
+        return vision_row_problem(row)
+
+    def stored_row(self, row):
+        from sft_recipes.data.vision import flatten_parts
+
+        return {"messages": flatten_parts(row["messages"])[0], "images": row.get("images") or []}
+
+    def to_tokens(self, rows, tokenizer, tokenization, report):
+        raise RecipeError("dataset_format vision_messages trains through the image block stream: set "
+                          "pack_blocks: true (TRL's own pipeline neither packs nor masks image rows).")
+
+
 def _truncated(batch: dict[str, list], max_length: int) -> dict[str, list]:
     """Keep the first `max_length` tokens and their mask bits; a row left with no target is `truncated_away`."""
     ids = [row[:max_length] for row in batch["input_ids"]]
@@ -312,5 +344,6 @@ def supervised_tokens(dataset: Dataset) -> int:
 
 
 FORMATS: dict[str, DatasetFormat] = {fmt.name: fmt for fmt in
-                                     (AlpacaFormat(), AlpacaChatFormat(), ChatFormat(), ReasoningFormat(), TextFormat())}
+                                     (AlpacaFormat(), AlpacaChatFormat(), ChatFormat(), ReasoningFormat(), TextFormat(),
+                                      VisionMessagesFormat())}
 CHAT_FORMATS = tuple(name for name, fmt in FORMATS.items() if fmt.chat)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,10 @@ from sft_recipes.data.sources import (
     DatasetSource, count_stream_drop, load_checked_dataset, parse_sources, without_marked_rows,
 )
 from sft_recipes.errors import RecipeError
+
+IMAGES_FIELD = "images"
+# How an image travels in a packed image run: the datasets Image feature's storage (bytes, or a resolved path).
+IMAGE_RECORDS = List({"bytes": Value("binary"), "path": Value("string")})
 
 
 # ── Recipe keys ─────────────────────────────────────────────────────────────────────────────────
@@ -99,9 +104,12 @@ def check_data_sources(data_args) -> None:
             problems.append("eval_datasets: `fraction` is not used for eval (every eval row counts); remove it")
         if data_args.pack_blocks and (key == "eval_datasets" or data_args.datasets):  # one dataset: the linter's
             problems += [f"{key}: {source.label} has dataset_format {source.dataset_format!r}; pack_blocks packs "
-                         f"chat conversations ({' or '.join(CHAT_FORMATS)}): set pack_blocks: false, or give "
-                         "this source as chat conversations"
+                         f"chat conversations ({' or '.join(CHAT_FORMATS)}): set pack_blocks: false, or "
+                         + ("dataset_format: alpaca_chat on this source (its rows as chat conversations)"
+                            if source.dataset_format == "alpaca" else "give this source as chat conversations")
                          for source in sources if source.dataset_format not in CHAT_FORMATS]
+        problems += [f"{key}: {source.label} has dataset_format vision_messages: {need}" for source in sources
+                     if FORMATS[source.dataset_format].vision for need in _vision_needs(data_args, key)]
         if key == "datasets" and is_streamed(data_args) and not data_args.pack_blocks:
             streaming_key = "streaming" if data_args.streaming else "dataset_streaming"
             problems += [f"{source.label} is streamed with dataset_format {source.dataset_format!r}: streamed "
@@ -110,6 +118,24 @@ def check_data_sources(data_args) -> None:
                          for source in sources if source.dataset_format in CHAT_FORMATS]
     if problems:
         raise RecipeError("; ".join(problems))
+
+
+def _vision_needs(data_args, key: str) -> list[str]:
+    """What an image source needs from the recipe and does not have (each a problem with its fix)."""
+    needs = []
+    if not data_args.pack_blocks:
+        needs.append("image rows train through the image block stream: set pack_blocks: true")
+    if is_streamed(data_args):
+        needs.append("image rows are read map-style (their files checked up front): set streaming and "
+                     "dataset_streaming false")
+    if key == "eval_datasets" or data_args.test_split_size:
+        needs.append("eval on image rows is not built yet: drop test_split_size / eval_datasets for image sources")
+    return needs
+
+
+def has_images(data_args) -> bool:
+    """Whether any training source of the recipe is an image source (the run then packs image blocks)."""
+    return any(FORMATS[source.dataset_format].vision for source in training_sources(data_args))
 
 
 # ── Shares ──────────────────────────────────────────────────────────────────────────────────────
@@ -187,6 +213,8 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
         rows = fmt.as_trained(rows)  # after the split: the same rows are held out whatever shape they train in
         good_rows = without_marked_rows(rows) if marked else rows  # as the format's own checks read them
         raw_train.append((good_rows, source.dataset_format))
+        if fmt.vision:  # image files checked (drops counted) and stored as records, relative paths resolved
+            rows = with_images_checked(rows, source, checked)
         if packs:  # the packed stream reads and tokenizes the conversations
             fmt.check_trainable(good_rows, tokenizer, tokenization)
             if streaming:
@@ -221,15 +249,32 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
 
 def with_aligned_messages(parts: list[Dataset]) -> list[Dataset]:
     """Sources' `messages` cast to one Arrow type, the union of their message fields (a reasoning
-    source adds `thinking`), so that `datasets` can concatenate them."""
-    parts = [part.select_columns(["messages"]) for part in parts]
+    source adds `thinking`), so that `datasets` can concatenate them. When a source has images, every
+    source keeps an `images` column (text-only ones: none per row)."""
+    with_images = any(IMAGES_FIELD in part.column_names for part in parts)
+    if with_images:
+        parts = [part if IMAGES_FIELD in part.column_names else
+                 part.add_column(IMAGES_FIELD, [[] for _ in range(len(part))]) for part in parts]
+    parts = [part.select_columns(["messages", *([IMAGES_FIELD] if with_images else [])]) for part in parts]
     fields: dict[str, Any] = {}
     for part in parts:
         for key, value in part.features["messages"].feature.items():
             if fields.get(key, Value("null")) == Value("null"):
                 fields[key] = value
-    features = Features({"messages": List(fields)})
+    features = Features({"messages": List(fields), **({IMAGES_FIELD: IMAGE_RECORDS} if with_images else {})})
     return [part if part.features == features else part.cast(features) for part in parts]
+
+
+def with_images_checked(rows: Dataset, source: DatasetSource, report: DataReport) -> Dataset:
+    """An image source's rows as flat conversations + image records; rows whose images cannot be read are dropped
+    into `report` (paths relative to a local data file are read from its folder)."""
+    from sft_recipes.data.vision import check_images
+
+    path = Path(source.path)
+    kept, _ = check_images(rows, path.parent if path.is_file() else None, report)
+    if not kept:
+        report.enforce(0.0)  # raises: no row of the source is left
+    return Dataset.from_list(kept).cast_column(IMAGES_FIELD, IMAGE_RECORDS)
 
 
 def _encode_messages(row: dict[str, Any]) -> dict[str, str]:

@@ -17,6 +17,7 @@ from sft_recipes.data.mixture import SourceData, build_source_data, describe_eva
 from sft_recipes.data.report import DataReport, MixtureReport
 from sft_recipes.data.sources import load_checked_dataset
 from sft_recipes.data.stream_reads import StreamedRowDropsCallback
+from sft_recipes.data.vision import VisionBlockCollator, VisionBlockStream, VisionProcessing
 from sft_recipes.distributed import prepared_once_per_cache
 from sft_recipes.errors import RecipeError
 from sft_recipes.reporting.samples import sample_prompts_for_run
@@ -57,7 +58,15 @@ def build_data(run: Run, tokenizer) -> RunData:
     with prepared_once_per_cache():  # once per datasets cache (shared or node-local), not per rank
         sources = source_data(run, tokenizer)
     report = sources.report
-    if run.packs_blocks:  # each rank (x dataloader worker) reads and tokenizes its own shard
+    if run.packs_blocks and run.has_images:  # whole examples with their pixels and own mRoPE positions
+        block_stream = VisionBlockStream(
+            sources.train, vision_processing(run, tokenizer), training.max_length, *run.data_reader,
+            template_kwargs=run.tokenization.template_kwargs, packing_window=data_args.packing_window,
+            num_sources=len(report.sources),
+        )
+        collator = collate_blocks(VisionBlockCollator(training.max_length, tokenizer.pad_token_id))
+        count_stream = partial(report.count_stream, max_dropped_share=data_args.max_dropped_share)
+    elif run.packs_blocks:  # each rank (x dataloader worker) reads and tokenizes its own shard
         block_stream = RankLocalBlockStream(
             sources.train, tokenizer, training.max_length, *run.data_reader,
             split_examples=data_args.split_examples, template_kwargs=run.tokenization.template_kwargs,
@@ -77,6 +86,16 @@ def build_data(run: Run, tokenizer) -> RunData:
     return RunData(train=None if run.packs_blocks else sources.train, block_stream=block_stream, collator=collator,
                    report=report, sample_prompts=sample_prompts_for_run(training, sources.raw_train, sources.raw_eval),
                    count_stream=count_stream, stream_reads=stream_reads, eval=sources.eval)
+
+
+def vision_processing(run: Run, tokenizer) -> VisionProcessing:
+    """The model's tokenizer and image processor (its preprocessor_config.json), bounded by min/max_pixels."""
+    from transformers import AutoImageProcessor
+
+    image_processor = AutoImageProcessor.from_pretrained(run.source.path, backend="pil")
+    data_args = run.recipe.data
+    return VisionProcessing(tokenizer, image_processor, run.source.config, min_pixels=data_args.min_pixels,
+                            max_pixels=data_args.max_pixels)
 
 
 def audit_data(run: Run, tokenizer, n: int) -> str:

@@ -11,11 +11,11 @@ from typing import Any
 
 from sft_recipes.architectures.sequence_parallel import sequence_parallel_suspended
 from sft_recipes.errors import RecipeError
-from sft_recipes.export import export_run
+from sft_recipes.export import copy_processor_files, export_run
 from sft_recipes.reporting.export_check import ExportCheck
 from sft_recipes.reporting.load_export import load_export
 from sft_recipes.reporting.run_end import report_run_end
-from sft_recipes.reporting.samples import sample_settings, write_samples
+from sft_recipes.reporting.samples import prompt_style, random_stand_in, sample_settings, write_samples
 from sft_recipes.run.setup import Run
 from sft_recipes.run.training import Training
 
@@ -59,7 +59,7 @@ def finish(run: Run, training: Training) -> RunResult:
 
     def samples_after(reloaded) -> None:
         write_samples(output_dir, training.sample_prompts, reloaded, trainer.processing_class,
-                      **sample_settings(recipe))
+                      **sample_settings(recipe), stand_in_note=random_stand_in(recipe.model.model_name_or_path))
 
     with sequence_parallel_suspended():  # the reload check runs its probe whole on every rank
         output_dir, logit_diff = export_run(trainer, recipe.model, output_dir, load_base=run.source.load_model,
@@ -71,7 +71,10 @@ def finish(run: Run, training: Training) -> RunResult:
                        summary=None)
     if not run.is_main:
         return result
+    copy_processor_files(run.source.path, output_dir)  # a VLM's image processor: the export loads as it came in
     report = summary.finish(training.seconds, output_dir, logit_diff, training.resumed_from, training.layout)
+    # How to prompt the export as it was trained, and whether it is a random stand-in (scripts/show_run.py reads both)
+    report.update(prompt_style=prompt_style(recipe.data), stand_in_note=random_stand_in(recipe.model.model_name_or_path))
     Path(output_dir, "run_summary.json").write_text(json.dumps(report, indent=2))
     if training.sample_prompts and logit_diff is None:  # no export check, so no reloaded model to reuse
         samples_after(load_export(output_dir)[0])

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from sft_recipes.architectures import check_packing_leak, freeze_vision_tower, prepare_for_packing
+from sft_recipes.architectures.preflight import check_image_packing_leak
+from sft_recipes.architectures.qwen3_5 import prepare_for_image_packing
 from sft_recipes.architectures.sequence_parallel import enable_sequence_parallel
 from sft_recipes.fsdp_wrap import group_output_head_with_final_norm, guard_lora_fsdp_layout, pin_fsdp_wrap_classes
 from sft_recipes.lora import apply_lora, build_lora_config
@@ -27,13 +29,22 @@ def build_model(run: Run) -> RunModel:
     model_args, training = run.recipe.model, run.recipe.training
     if run.packs_blocks:  # seconds on a tiny copy: refuse an architecture that would leak
         check_packing_leak(run.source.config, model_args.attn_implementation)
+        if run.has_images:
+            check_image_packing_leak(run.source.config)
     model = run.source.load_model()
-    if frozen := freeze_vision_tower(model):  # text-only SFT of a VLM checkpoint: kept, exported, not trained
-        logger.info("vision tower frozen (%s parameters): text-only data never updates it", f"{frozen:,}")
+    if not run.has_images:
+        if frozen := freeze_vision_tower(model):  # text-only SFT of a VLM checkpoint: kept, exported, not trained
+            logger.info("vision tower frozen (%s parameters): text-only data never updates it", f"{frozen:,}")
+    elif model_args.freeze_vision_tower:
+        frozen = freeze_vision_tower(model, keep_merger=model_args.train_vision_merger)
+        logger.info("vision tower frozen (%s parameters)%s", f"{frozen:,}",
+                    ", merger trained" if model_args.train_vision_merger else "")
     if run.sequence_parallel is not None:  # before FSDP wraps it; prepares it for packing too
         enable_sequence_parallel(model, run.sequence_parallel.group)
     elif run.packs_blocks:
         prepare_for_packing(model)
+        if run.has_images:
+            prepare_for_image_packing(model)
     wrap_classes = pin_fsdp_wrap_classes(model, training.fsdp_wrap_classes)  # from the model, not guesses
     group_output_head_with_final_norm()  # else a VLM's lm_head is a unit TRL's fused head never gathers
     lora_config = build_lora_config(model_args) if model_args.use_peft else None

@@ -1,0 +1,117 @@
+"""The tiny Qwen3.5 twin trains on packed image + text blocks under 2-process FSDP2 on CPU.
+
+2 processes log 1 process's losses on the same global batches, the export reloads with its image
+processor and reproduces the trained model on an image example, `chat.py --image` answers, a
+preempted run resumes to the same later losses, and bad image rows are counted and refused.
+
+Same global batches: each reader packs the same rows on 1 or 2 processes when 1 process reads with
+2 dataloader workers and 2 processes with none (readers = processes x workers, each the every-other
+conversation of the 60-row sample), so every step trains the same two blocks.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+
+import pytest
+from PIL import Image
+
+from conftest import REPO_ROOT, assert_resume_reproduces, bin_path, launch_sft, read_summary, run_command
+
+pytestmark = pytest.mark.fsdp
+
+RECIPE = REPO_ROOT / "recipes" / "tiny" / "qwen27b-vision.yaml"
+SAVE_EVERY = 2
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory):
+    """The tiny vision recipe with a global batch of 2 blocks (derived per world size)."""
+    path = tmp_path_factory.mktemp("vision") / "qwen27b_vision_global_batch.yaml"
+    text = RECIPE.read_text()
+    assert "\ngradient_accumulation_steps: 1\n" in text
+    path.write_text(text.replace("\ngradient_accumulation_steps: 1\n", "\nglobal_batch_size: 2\n"))
+    return path
+
+
+COMMON = ("--max_steps", "4", "--logging_steps", "1", "--report_to", "none")
+
+
+@pytest.fixture(scope="module")
+def two_processes(recipe, tmp_path_factory):
+    out = tmp_path_factory.mktemp("vision") / "two"
+    result = launch_sft(recipe, *COMMON, "--dataloader_num_workers", "0", "--save_steps", str(SAVE_EVERY),
+                        "--output_dir", str(out))
+    return out, result
+
+
+def test_two_processes_train_like_one_on_the_same_image_blocks(recipe, two_processes, tmp_path):
+    out, result = two_processes
+    assert "image packing preflight passed for qwen3_5" in result.stderr
+    assert "vision tower frozen" in result.stderr and "merger trained" in result.stderr
+    launch_sft(recipe, *COMMON, "--max_steps", "3", "--dataloader_num_workers", "2", "--save_steps", "1000",
+               "--output_dir", str(tmp_path / "one"), nproc=1)
+    one, two = read_summary(tmp_path / "one")["losses"], read_summary(out)["losses"]
+    assert list(one) == ["1", "2", "3"] and list(two)[:3] == list(one)
+    for step, loss in one.items():
+        assert two[step] == pytest.approx(loss, abs=1e-4), step
+
+
+def test_export_reloads_with_its_image_processor_and_reproduces_an_image_example(two_processes):
+    from transformers import AutoImageProcessor
+
+    out, result = two_processes
+    summary = read_summary(out)
+    assert summary["export_max_logit_diff"] <= 1e-4  # the probe: the first block's first example with its images
+    processor = AutoImageProcessor.from_pretrained(out)
+    assert type(processor).__name__ == "Qwen2VLImageProcessorPil"
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+
+
+def test_chat_answers_about_an_image(two_processes):
+    out, _ = two_processes
+    image = REPO_ROOT / "data" / "samples" / "vision" / "images" / "000_0.png"
+    result = run_command([bin_path("python"), "scripts/chat.py", str(out), "--image", str(image), "--prompt",
+                          "What colour is the shape?", "--max_new_tokens", "4"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    missing = run_command([bin_path("python"), "scripts/chat.py", str(out), "--image", "nowhere.png", "--prompt", "?"])
+    assert missing.returncode == 2 and "error: cannot read nowhere.png: missing_image" in missing.stderr
+
+
+def test_resume_after_preemption_gives_the_same_later_losses(recipe, two_processes, tmp_path):
+    out, _ = two_processes
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(out / f"checkpoint-{SAVE_EVERY}", resumed / f"checkpoint-{SAVE_EVERY}")
+    launch_sft(recipe, *COMMON, "--dataloader_num_workers", "0", "--save_steps", str(SAVE_EVERY),
+               "--output_dir", str(resumed))
+    assert_resume_reproduces(out, resumed, SAVE_EVERY, atol=1e-4)
+
+
+def test_bad_image_rows_are_counted_and_refused(tmp_path):
+    samples = REPO_ROOT / "data" / "samples" / "vision"
+    rows = [json.loads(line) for line in (samples / "shapes.jsonl").read_text().splitlines()[:7]]
+    for row in rows:
+        row["images"] = [str(samples / name) for name in row["images"]]
+    question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "Red."}]}]
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), (255, 0, 0)).save(buffer, format="PNG")
+    (tmp_path / "corrupt.png").write_bytes(buffer.getvalue()[:50])
+    rows += [{"messages": question, "images": ["missing.png"]},
+             {"messages": [{**question[0], "content": [{"type": "image"}, *question[0]["content"]]}, question[1]],
+              "images": [rows[0]["images"][0]]},
+             {"messages": question, "images": ["corrupt.png"]}]
+    data = tmp_path / "bad.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = launch_sft(RECIPE, "--dataset_name", str(data), "--output_dir", str(tmp_path / "run"),
+                        "--report_to", "none", nproc=1, check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "30.00% of the rows are bad, more than max_dropped_share=0.05" in errors[0], errors
+    report = re.search(r"dropped 3 \(30.00%: (.*?)\)", result.stdout + result.stderr)
+    assert report is not None, result.stdout[-2000:]
+    assert report.group(1) == "image_count_mismatch 1, missing_image 1, unreadable_image 1"
