@@ -19,8 +19,10 @@ leaves behind that would break the next call in the same process (traps found he
 - the default process group (and its subgroups: sequence parallelism), when this call created it (the
   TrainingArguments do, in `load_recipe`), after every rank got there; one the caller made before the
   call is the caller's and stays;
-- an MLflow run left active by a failed run (the next one would log into it), transformers' log
-  verbosity (the Trainer sets it per rank), and the log handler added for the call.
+- an MLflow run left active by a failed run (the next one would log into it); the console: the run
+  tees stdout/stderr into its train.log (reporting/console.py; a second call would write into both
+  logs) and quiets ranks > 0 (transformers'/datasets' verbosity and progress bars); the log handler
+  added for the call.
 """
 
 from __future__ import annotations
@@ -92,8 +94,13 @@ def _restored_environment() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _visible_logs() -> Iterator[None]:
-    """Our INFO lines on stderr for the call (a notebook's root logger often has no handler), then as before."""
+    """Our INFO lines on stderr for the call (a notebook's root logger often has no handler), then the console as
+    before: the run tees stdout/stderr (and the handlers writing there) into its train.log, and quiets ranks > 0
+    (transformers' and datasets' verbosity and progress bars) -- a second call would tee into both logs."""
+    import datasets
     import transformers
+
+    from sft_recipes.reporting.console import close_train_log
 
     root = logging.getLogger()
     added = None
@@ -103,11 +110,25 @@ def _visible_logs() -> Iterator[None]:
         added.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root.addHandler(added)
         root.setLevel(logging.INFO)
-    verbosity = transformers.logging.get_verbosity()
+    streams = sys.stdout, sys.stderr
+    handler_streams = {handler: handler.stream for logger in [root, *logging.Logger.manager.loggerDict.values()]
+                       if isinstance(logger, logging.Logger) for handler in logger.handlers
+                       if isinstance(handler, logging.StreamHandler)}
+    verbosity = transformers.logging.get_verbosity(), datasets.logging.get_verbosity()
+    bars = transformers.utils.logging.is_progress_bar_enabled(), datasets.utils.are_progress_bars_disabled()
     try:
         yield
     finally:
-        transformers.logging.set_verbosity(verbosity)
+        close_train_log()
+        sys.stdout, sys.stderr = streams
+        for handler, stream in handler_streams.items():
+            handler.setStream(stream)
+        transformers.logging.set_verbosity(verbosity[0])
+        datasets.logging.set_verbosity(verbosity[1])
+        if bars[0]:
+            transformers.utils.logging.enable_progress_bar()
+        if not bars[1]:
+            datasets.enable_progress_bars()
         if added is not None:
             root.removeHandler(added)
             root.setLevel(level)
