@@ -64,8 +64,9 @@ def test_a_call_leaves_the_environment_logging_and_mlflow_run_id_as_mlflow_would
     from sft_recipes.reporting import console
 
     for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": "1"}.items():  # rank 0 of the config's 2 (no group is made here)
+                        "MASTER_PORT": "1"}.items():  # rank 0 of the config's 2
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr("sft_recipes.in_process._start_process_group", lambda rank, world_size: None)  # no peer
     monkeypatch.setenv("MLFLOW_RUN_ID", "injected")
     monkeypatch.setenv("KEPT", "before")
     root = logging.getLogger()
