@@ -12,6 +12,8 @@
 # MAGIC Where this notebook differs from the seed's (each on purpose):
 # MAGIC - one pinned set of packages that install together (`requirements.txt`, tested on CPU) instead of seven
 # MAGIC   `%pip install` lines (the seed's `datasets==3.2.0` and `fsspec==2024.9.0` predate its transformers 5);
+# MAGIC   it includes the tested `torch` pin (PyPI's Linux wheel, CUDA included) over the image's, then this
+# MAGIC   repository itself (`--no-deps ..`), so that every rank imports `sft_recipes`;
 # MAGIC - the training function is one `train()` call: model, LoRA (the seed's ranks, on attention and the
 # MAGIC   experts), data, FSDP2 and the trainer come from the recipe, whose header lists every difference from
 # MAGIC   the seed (loss on the assistant turn only, fp32 LoRA weights and gradient reduction, the model's own

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -59,22 +60,32 @@ def test_a_partial_rendezvous_is_refused(monkeypatch):
         caller_world()
 
 
-def test_a_call_leaves_the_environment_logging_and_mlflow_run_id_as_mlflow_would(monkeypatch):
+def test_a_call_leaves_the_environment_logging_and_mlflow_run_id_as_mlflow_would(monkeypatch, tmp_path):
+    from sft_recipes.reporting import console
+
     for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": "1"}.items():  # rank 0 of the config's 2 (no group is made here)
+                        "MASTER_PORT": "1"}.items():  # rank 0 of the config's 2
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr("sft_recipes.in_process._start_process_group", lambda rank, world_size: None)  # no peer
     monkeypatch.setenv("MLFLOW_RUN_ID", "injected")
     monkeypatch.setenv("KEPT", "before")
     root = logging.getLogger()
     handlers = list(root.handlers)
+    stdout, stderr = sys.stdout, sys.stderr
     with in_process_launch(CPU_CONFIG):
         assert os.environ["ACCELERATE_USE_FSDP"] == "true"
+        console.open_train_log(tmp_path / "run")  # what start_run does: tee the console into train.log
+        console.keep_train_log()
+        assert sys.stdout is not stdout
         os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = "LlamaDecoderLayer"  # what fsdp_wrap.py sets in a run
         os.environ["KEPT"] = "changed"
         del os.environ["MLFLOW_RUN_ID"]  # what mlflow.start_run does with it
     assert not [name for name in os.environ if name.startswith(EXPORTED_PREFIXES)]
     assert os.environ["KEPT"] == "before" and "MLFLOW_RUN_ID" not in os.environ
     assert root.handlers == handlers
+    assert (sys.stdout, sys.stderr) == (stdout, stderr) and not console._TRAIN_LOG  # the next run logs alone
+    print("after the call")
+    assert "after the call" not in (tmp_path / "run" / "train.log").read_text()
     with in_process_launch(CPU_CONFIG):  # a run that never reached MLflow leaves the id for the next call
         pass
     assert "MLFLOW_RUN_ID" not in os.environ  # (consumed above)

@@ -31,6 +31,10 @@ def on_refusal(hook: Callable[[str], None]) -> None:
     _REFUSAL_HOOKS[:] = [hook]
 
 
+def forget_refusal_hooks() -> None:
+    _REFUSAL_HOOKS.clear()
+
+
 def one_line_refusals(main: Callable[[], int]) -> int:
     """Run `main`; a RecipeError becomes one `error: ...` line on stderr (rank 0 only) and exit code 2.
 

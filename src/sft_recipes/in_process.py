@@ -16,11 +16,14 @@ leaves behind that would break the next call in the same process (traps found he
   recipe into the first one's run, where MLflow refuses changed params);
 - accelerate's singletons (`PartialState`, `AcceleratorState`, `GradientState`): they keep the first
   run's distributed type, FSDP plugin and mixed precision, and a second Accelerator silently reuses them;
-- the default process group (and its subgroups: sequence parallelism), when this call created it (the
-  TrainingArguments do, in `load_recipe`), after every rank got there; one the caller made before the
-  call is the caller's and stays;
-- an MLflow run left active by a failed run (the next one would log into it), transformers' log
-  verbosity (the Trainer sets it per rank), and the log handler added for the call.
+- the default process group (and its subgroups: sequence parallelism), when this call created it, after
+  every rank got there; one the caller made before the call is the caller's and stays. The group is made
+  here, over one rendezvous store per process (on MASTER_PORT, kept for the next call) with a key prefix
+  per call (`_start_process_group` says why);
+- an MLflow run left active by a failed run (the next one would log into it); the console: the run
+  tees stdout/stderr into its train.log (reporting/console.py; a second call would write into both
+  logs) and quiets ranks > 0 (transformers'/datasets' verbosity and progress bars); the log handler
+  added for the call.
 """
 
 from __future__ import annotations
@@ -92,8 +95,13 @@ def _restored_environment() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _visible_logs() -> Iterator[None]:
-    """Our INFO lines on stderr for the call (a notebook's root logger often has no handler), then as before."""
+    """Our INFO lines on stderr for the call (a notebook's root logger often has no handler), then the console as
+    before: the run tees stdout/stderr (and the handlers writing there) into its train.log, and quiets ranks > 0
+    (transformers' and datasets' verbosity and progress bars) -- a second call would tee into both logs."""
+    import datasets
     import transformers
+
+    from sft_recipes.reporting.console import close_train_log
 
     root = logging.getLogger()
     added = None
@@ -103,11 +111,25 @@ def _visible_logs() -> Iterator[None]:
         added.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root.addHandler(added)
         root.setLevel(logging.INFO)
-    verbosity = transformers.logging.get_verbosity()
+    streams = sys.stdout, sys.stderr
+    handler_streams = {handler: handler.stream for logger in [root, *logging.Logger.manager.loggerDict.values()]
+                       if isinstance(logger, logging.Logger) for handler in logger.handlers
+                       if isinstance(handler, logging.StreamHandler)}
+    verbosity = transformers.logging.get_verbosity(), datasets.logging.get_verbosity()
+    bars = transformers.utils.logging.is_progress_bar_enabled(), datasets.utils.are_progress_bars_disabled()
     try:
         yield
     finally:
-        transformers.logging.set_verbosity(verbosity)
+        close_train_log()
+        sys.stdout, sys.stderr = streams
+        for handler, stream in handler_streams.items():
+            handler.setStream(stream)
+        transformers.logging.set_verbosity(verbosity[0])
+        datasets.logging.set_verbosity(verbosity[1])
+        if bars[0]:
+            transformers.utils.logging.enable_progress_bar()
+        if not bars[1]:
+            datasets.enable_progress_bars()
         if added is not None:
             root.removeHandler(added)
             root.setLevel(level)
@@ -120,6 +142,32 @@ def _end_active_mlflow_run(failed: bool) -> None:
 
     if mlflow.active_run() is not None:
         mlflow.end_run(status="FAILED" if failed else "FINISHED")
+
+
+_RENDEZVOUS: list = []  # [TCPStore, calls so far]: one store per process, a fresh key prefix per call
+
+
+def _start_process_group(rank: int, world_size: int) -> None:
+    """The default process group for one call, over the process's rendezvous store under a prefix of its own.
+
+    A group made by torch's env:// rendezvous for each call met the previous call's store: a rank that left
+    first re-created it on MASTER_PORT while the other still held the old one (stale keys, the old peer
+    addresses), and the two waited forever in different collectives (seen: rank 0 in gloo's connectFullMesh,
+    rank 1 in the previous group's barrier). Every rank makes the same calls, so the prefixes agree.
+    """
+    from datetime import timedelta
+
+    if not _RENDEZVOUS:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=rank == 0, timeout=timedelta(minutes=30))
+        _RENDEZVOUS[:] = [store, 0]
+    store, calls = _RENDEZVOUS
+    _RENDEZVOUS[1] = calls + 1
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"sft_recipes.train/{calls}", store), rank=rank,
+                            world_size=world_size)
 
 
 def _leave_together() -> None:
@@ -145,7 +193,7 @@ def in_process_launch(accelerate_config: str | os.PathLike | None) -> Iterator[N
     """Run the block as `accelerate launch --config_file accelerate_config` would run it in this process, then
     leave the process as it was (see the module docstring). `None`: the launcher already exported the config
     (scripts/sft.py under `accelerate launch`) or there is none (a single process without FSDP)."""
-    _, world_size = caller_world()
+    rank, world_size = caller_world()
     group_before = dist.is_available() and dist.is_initialized()
     failed = True
     with _restored_environment(), _visible_logs():
@@ -153,6 +201,8 @@ def in_process_launch(accelerate_config: str | os.PathLike | None) -> Iterator[N
             if accelerate_config is not None:
                 os.environ.update(accelerate_launch_environment(accelerate_config, world_size))
             _reset_accelerate_state()  # whatever an earlier Accelerator in this process left
+            if world_size > 1 and not group_before:
+                _start_process_group(rank, world_size)  # accelerate then uses it
             yield
             failed = False
         finally:
