@@ -298,3 +298,14 @@ def test_an_empty_reply_is_kept_by_the_row_rules_and_trains_its_end_of_turn(toke
     (ids,), (mask,) = prepared["input_ids"], prepared["assistant_masks"]
     supervised = tokenizer.decode([token for token, keep in zip(ids, mask) if keep])
     assert supervised == "<|eot_id|>A<|eot_id|>"  # the empty reply's end of turn, then the answer
+
+
+def test_every_row_dropped_is_one_refusal_line_not_a_traceback(tmp_path):
+    """max_length below every row with overlong_policy: drop leaves an empty dataset without columns."""
+    result = run_command([bin_path("python"), "scripts/sft.py", str(TINY_LLAMA_RECIPE), "--max_length", "16",
+                          "--overlong_policy", "drop", "--output_dir", str(tmp_path / "out")])
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: Refusing to train: no row is left (")
+    assert "dropped 300 (100.00%: overlong 300)" in errors[0] and "first overlong row, row 0" in errors[0]
+    assert "Traceback" not in result.stderr

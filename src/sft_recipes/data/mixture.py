@@ -161,6 +161,8 @@ def token_counts(dataset: Dataset) -> tuple[int, int]:
     """(tokens, supervised tokens) of `input_ids` + `labels` rows. Supervised: the tokens the causal-LM
     loss is taken over, so a label on a row's first token (nothing predicts it) does not count."""
     tokens = supervised = 0
+    if len(dataset) == 0:  # every row dropped: `datasets` keeps no column either (the report refuses it)
+        return tokens, supervised
     for batch in dataset.select_columns(["labels"]).iter(batch_size=10_000):
         for labels in batch["labels"]:
             tokens += len(labels)

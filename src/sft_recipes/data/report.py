@@ -126,15 +126,17 @@ class DataReport:
         """ValueError when too many rows were dropped, or nothing is left to learn from."""
         if self.streamed:
             return
+        # One line (the `error:` line a user reads last): the report's counts and its first row of each reason.
+        counts = "; ".join(line.strip() for line in self.format().splitlines()).removeprefix("[data] ")
         if self.kept == 0 or self.kept_supervised_tokens == 0:
             what = "no row is left" if self.kept == 0 else "the rows left have no trainable (supervised) token"
-            raise RecipeError(f"Refusing to train: {what}.\n{self.format()}\nFix the dataset (or dataset_format, "
-                             "max_length, completion_only_loss) so that rows carry a target to learn.")
+            raise RecipeError(f"Refusing to train: {what} ({counts}). Fix the dataset (or dataset_format, "
+                              "max_length, completion_only_loss) so that rows carry a target to learn.")
         if self.dropped_share > max_dropped_share:
             raise RecipeError(
                 f"Refusing to train: {self.dropped_share:.2%} of the rows are bad, more than max_dropped_share="
-                f"{max_dropped_share}.\n{self.format()}\nFix the rows, check dataset_format, or raise "
-                "max_dropped_share if dropping them is intended."
+                f"{max_dropped_share} ({counts}). Fix the rows, check dataset_format, or raise max_dropped_share "
+                "if dropping them is intended."
             )
 
 
