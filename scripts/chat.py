@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Chat with a run's export: a consolidated model, or base + PEFT adapter (read from OUTPUT_DIR).
 
-    python scripts/chat.py outputs/demo                                # interactive; empty line or Ctrl-D ends
-    python scripts/chat.py outputs/demo --prompt "What is 2 + 3?"      # answer once, exit 0
-    python scripts/chat.py outputs/lora --base_model path/to/base      # adapter onto another copy of its base
-    python scripts/chat.py outputs/vision --image cat.png --prompt "What is in the picture?"  # a VLM export
+    .venv/bin/python scripts/chat.py outputs/demo                                # interactive; empty line or Ctrl-D ends
+    .venv/bin/python scripts/chat.py outputs/demo --prompt "What is 2 + 3?"      # answer once, exit 0
+    .venv/bin/python scripts/chat.py outputs/lora --base_model path/to/base      # adapter onto another copy of its base
+    .venv/bin/python scripts/chat.py outputs/vision --image cat.png --prompt "What is in the picture?"  # a VLM export
 
 Each turn goes through the tokenizer's chat template (the whole conversation so far); the answer
 streams token by token. Greedy unless --temperature > 0.

@@ -34,8 +34,10 @@ MASTER_PORT=${MASTER_PORT:-29500}
 LOCAL_WORLD_SIZE=${LOCAL_WORLD_SIZE:-$(detect_local_world_size)}
 WORLD_SIZE=$((NUM_NODES * LOCAL_WORLD_SIZE))
 
-# A GPU recipe on a machine without GPUs: one line saying so, before any process starts.
-python -m sft_recipes.preflight_launch "$config" "$recipe" --processes-per-node "$LOCAL_WORLD_SIZE" || exit 2
+# Before any process starts: a GPU recipe on a machine without GPUs, or a recipe (with these overrides) the
+# run would refuse, is one `error:` line and exit 2 -- not torchrun's report of every failed rank.
+python -m sft_recipes.preflight_launch "$config" "$recipe" --processes-per-node "$LOCAL_WORLD_SIZE" \
+  --world-size "$WORLD_SIZE" -- "$@" || exit 2
 
 echo "[launch] node ${NODE_RANK}/${NUM_NODES}: ${LOCAL_WORLD_SIZE} processes here, world size ${WORLD_SIZE}," \
      "rendezvous ${MASTER_ADDR}:${MASTER_PORT}, NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-<unset>}," \

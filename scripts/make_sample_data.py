@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write the project's small sample datasets in the real datasets' schemas.
 
-    python scripts/make_sample_data.py [--out-dir data/samples]
+    .venv/bin/python scripts/make_sample_data.py [--out-dir data/samples]
 
 Rows come from templated, learnable tasks (arithmetic, capitals, unit conversion, sorting,
 reversing, ...) so a tiny model's loss falls within a few steps, and from a fixed seed, so the

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write a tiny, randomly initialised checkpoint of a recipe's architecture (offline).
 
-    python scripts/make_tiny.py {llama,qwen3_5,gpt_oss} OUT_DIR [--seed 0]
+    .venv/bin/python scripts/make_tiny.py {llama,qwen3_5,gpt_oss} OUT_DIR [--seed 0]
 """
 
 from __future__ import annotations

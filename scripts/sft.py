@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Supervised fine-tuning with TRL's SFTTrainer, driven by one recipe YAML.
 
-    accelerate launch --config_file accelerate_configs/fsdp2_8gpu.yaml scripts/sft.py recipes/llama8b.yaml
-    accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml scripts/sft.py recipes/tiny/llama8b.yaml \
+    .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_8gpu.yaml scripts/sft.py recipes/llama8b.yaml
+    .venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml scripts/sft.py recipes/tiny/llama8b.yaml \
         --max_steps 5 --output_dir outputs/try
 
-Any recipe key can be overridden with `--key value`. Every decision lives in `sft_recipes.run`;
-this file is the table of contents of a run. A refusal you can fix is one `error:` line, exit 2.
+Any recipe key can be overridden with `--key value` (and by a workload's `parameters:` block, named
+by HYPERPARAMETERS_PATH). Every decision lives in `sft_recipes.run`; this file is the table of
+contents of a run, and `sft_recipes.train()` runs the same steps from Python. A refusal you can fix
+is one `error:` line, exit 2.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from sft_recipes.config import load_recipe
 from sft_recipes.distributed import process_group_destroyed_on_exit
 from sft_recipes.errors import one_line_refusals
 from sft_recipes.plan import plan_dry_run
-from sft_recipes.run import audit_data, build_data, build_model, build_trainer, finish, start_run
+from sft_recipes.run import audit_data, complete_run, start_run
 from sft_recipes.workload import dry_run_as_the_workload
 
 
@@ -37,8 +39,9 @@ def parse_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--plan-json", help="with --dry-run: also write the plan as JSON to this path")
     parser.add_argument("--workload", help="with --dry-run: check this AI Runtime workload file (as `python -m "
                         "sft_recipes.workload check` does) and plan with its parameters and accelerate config")
-    parser.add_argument("--gpu", default="H100", choices=("H100", "H200", "B200", "B300"),
-                        help="with --dry-run: the GPU the communication estimate, layout comparison and suggestions are for")
+    parser.add_argument("--gpu", choices=("H100", "H200", "B200", "B300"),
+                        help="with --dry-run: the GPU the communication estimate, layout comparison and suggestions are "
+                             "for (default: the one the recipe's first header line names, else H100)")
     parser.add_argument("--intra_node_gbps", type=float,
                         help="with --dry-run: NVLink Gb/s per GPU each way (default: the --gpu's, docs/planner.md)")
     parser.add_argument("--inter_node_gbps", type=float,
@@ -63,30 +66,19 @@ def main(argv: list[str] | None = None) -> int:
     if run.finished:  # resumed at max_steps already: said so, nothing trained or written
         return 0
 
-    # ── Tokenizer ─────────────────────────────────────────────────────────────────────────────
-    tokenizer = run.source.load_tokenizer()
-    if cli.audit_data:
-        print(audit_data(run, tokenizer, cli.audit_data))
+    if cli.audit_data:  # the conversations as the model will see them, then stop
+        print(audit_data(run, run.source.load_tokenizer(), cli.audit_data))
         return 0
 
-    # ── Data ──────────────────────────────────────────────────────────────────────────────────
-    data = build_data(run, tokenizer)
-
-    # ── Model ─────────────────────────────────────────────────────────────────────────────────
-    model = build_model(run)
-
-    # ── Trainer ───────────────────────────────────────────────────────────────────────────────
-    training = build_trainer(run, data, model, tokenizer)
-
-    # ── Train ─────────────────────────────────────────────────────────────────────────────────
-    training.run()
-
-    # ── Finish ────────────────────────────────────────────────────────────────────────────────
-    finish(run, training)
+    # ── Tokenizer, data, model, trainer, train, finish (sft_recipes.run.complete_run) ─────────
+    complete_run(run)
     return 0
 
 
-if __name__ == "__main__":
+def main_then_tear_down() -> int:
     with process_group_destroyed_on_exit():
-        exit_code = one_line_refusals(main)
-    sys.exit(exit_code)
+        return main()
+
+
+if __name__ == "__main__":
+    sys.exit(one_line_refusals(main_then_tear_down))  # the `error:` line, if any, is the last thing written

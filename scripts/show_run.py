@@ -2,19 +2,21 @@
 """Show what a finished run left behind (summary, curves picture, samples, card), proving the checkpoint loads
 with plain transformers.
 
-    python scripts/show_run.py outputs/demo
+    make show OUT=outputs/demo        (or: .venv/bin/python scripts/show_run.py outputs/demo)
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from sft_recipes.loading import model_class_for
+from sft_recipes.reporting.samples import PROMPT_STYLES, prompt_ids
 
 
 def main(output_dir: str) -> int:
@@ -23,11 +25,13 @@ def main(output_dir: str) -> int:
     config = AutoConfig.from_pretrained(out)
     model = model_class_for(config).from_pretrained(out).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)
-    prompt = "### Instruction:\nWhat is 2 + 3?\n\n### Response:\n"
-    inputs = tokenizer(prompt, return_tensors="pt")
+    question = "What is 2 + 3?"
+    style = summary.get("prompt_style", "alpaca")  # asked as the run trained; runs before the key: the alpaca twin
+    input_ids = torch.tensor([prompt_ids(tokenizer, question, style)])
     with torch.no_grad():
-        generated = model.generate(**inputs, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    completion = tokenizer.decode(generated[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        generated = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=12,
+                                   do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    completion = tokenizer.decode(generated[0, input_ids.shape[1] :], skip_special_tokens=True)
 
     print(f"\n== run in {out} ==")
     print(f"  distributed        {summary['distributed']}")
@@ -37,17 +41,20 @@ def main(output_dir: str) -> int:
         print(f"  eval loss          {evals} (token-weighted mean over the held-out rows)")
     print(f"  checkpoint         {out}/ ({', '.join(sorted(p.name for p in out.glob('*.safetensors')))}, config.json, tokenizer)")
     print(f"  reloaded as        {type(model).__name__}; export check max |logit diff| = {summary['export_max_logit_diff']}")
-    print(f"  sample generation  {prompt.splitlines()[1]!r} -> {completion!r}")
+    print(f"  sample generation  {question!r} -> {completion.strip()!r} (asked with the {PROMPT_STYLES[style]})")
+    if summary.get("stand_in_note"):
+        print(f"                     {summary['stand_in_note']}")
     print(f"  checkpoints        {', '.join(sorted(p.name for p in out.glob('checkpoint-*'))) or 'none'} (resume: rerun the same command)")
     print(f"  summary            {out}/run_summary.json")
     for name, label in (("training_curves.png", "curves picture"), ("samples.md", "samples before/after"),
-                        ("README.md", "model card")):
+                        ("README.md", "model card"), ("train.log", "console log")):
         print(f"  {label:<21}{out / name if (out / name).is_file() else 'none'}")
-    print(f"  chat with it       python scripts/chat.py {out}")
+    print(f"  chat with it       make chat OUT={out}   (one answer: make chat OUT={out} ARGS='--prompt \"Hi\"')")
     if summary.get("mlflow_tracking_uri"):
         uri = summary["mlflow_tracking_uri"]
         print(f"  MLflow             run {summary['mlflow_run_id']} in {uri}")
-        print(f"  MLflow UI          pip install mlflow && mlflow ui --backend-store-uri {uri}")
+        mlflow = f"mlflow=={version('mlflow-skinny')}"  # the UI of the client that wrote the runs
+        print(f"  MLflow UI          .venv/bin/pip install {mlflow} && .venv/bin/mlflow ui --backend-store-uri {uri}")
     return 0
 
 

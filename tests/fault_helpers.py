@@ -44,9 +44,10 @@ class Run:
 
 
 def start_run(*overrides: str, env: dict[str, str] | None = None, recipe: Path = TINY_LLAMA_RECIPE,
-              script: Path = FAULT_LAUNCHER) -> Run:
-    """`accelerate launch` of `script` (tests/fault_injection.py by default) on 2 CPU processes."""
-    cmd = [bin_path("accelerate"), "launch", "--config_file", str(CPU_CONFIG), "--num_processes", "2",
+              script: Path = FAULT_LAUNCHER, config: Path = CPU_CONFIG, nproc: int = 2) -> Run:
+    """`accelerate launch` of `script` (tests/fault_injection.py by default) on 2 CPU processes (`config`, `nproc`:
+    another layout, e.g. HSDP's 4)."""
+    cmd = [bin_path("accelerate"), "launch", "--config_file", str(config), "--num_processes", str(nproc),
            "--main_process_port", str(free_port()), str(script), str(recipe), *overrides]
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 **(env or {})}

@@ -10,6 +10,9 @@ Each variable names a rank and the optimizer step (1-based, the step being taken
   FAULT_NAN_AT=1:3,5,6            rank 1's loss is NaN at steps 3, 5 and 6
   FAULT_END_TOGETHER=1            the trainer gets EndOfDataTogetherMixin; every rank prints
                                   "BATCHES rank=R step=S n=N" for each optimizer step
+Not a fault, a probe:
+  PROBE_LOCAL_SHARDS=DIR          after training, every rank saves what it holds of each parameter (its local
+                                  shard, mesh shape and placements) to DIR/rank<R>.pt
 """
 
 from __future__ import annotations
@@ -72,6 +75,22 @@ def install_faults() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return original_save_rng_state(self, output_dir)
 
+    original_train = trainer_cls.train
+    probe_dir = os.environ.get("PROBE_LOCAL_SHARDS")
+
+    def train(self, *args, **kwargs):
+        result = original_train(self, *args, **kwargs)
+        if probe_dir:
+            import torch
+
+            held = {name: {"local": param.to_local().detach().clone(), "mesh": tuple(param.device_mesh.shape),
+                           "placements": [repr(p) for p in param.placements]}
+                    for name, param in self.model.named_parameters()}
+            Path(probe_dir).mkdir(parents=True, exist_ok=True)
+            torch.save(held, Path(probe_dir) / f"rank{RANK}.pt")
+        return result
+
+    trainer_cls.train = train
     trainer_cls.training_step = training_step
     trl.SFTTrainer.compute_loss = compute_loss
     trainer_cls._save_rng_state = save_rng_state

@@ -134,6 +134,15 @@ def test_gpu_script_sequence_parallel_arguments():
     assert gpu.sequence_parallel_size_skip_reason(3, 32768, "cpu", devices=0).startswith("skipped: the 32768-token")
 
 
+def test_planner_vs_published_sets_our_estimates_beside_their_measurements(capsys):
+    report = run_quick(capsys, "planner_vs_published")
+    rows = table_rows(report, "setup")
+    assert [row["published (their measurement)"] for row in rows[:2]] == ["5,762 tokens/s/GPU", "6,667 tokens/s/GPU"]
+    speedup = next(row for row in rows if row["setup"] == "HSDP / FSDP speed-up")
+    assert speedup["published (their measurement)"] == "1.34x" and float(speedup["planner estimate (ours)"][:-1]) > 1
+    assert "nothing here was measured by this project" in report
+
+
 def test_image_packing_efficiency_quick_conserves_tokens(capsys):
     report = run_quick(capsys, "image_packing_efficiency")
     rows = {row["strategy"]: row for row in table_rows(report, "strategy")}

@@ -14,6 +14,7 @@ from conftest import TINY_LLAMA_RECIPE, bin_path, run_command
 from sft_recipes.data.formats import FORMATS, Tokenization, alpaca_to_prompt_completion
 from sft_recipes.data.masking import tokenize_conversations
 from sft_recipes.data.report import DataReport
+from sft_recipes.errors import RecipeError
 from sft_recipes.data.sources import load_checked_dataset
 from sft_recipes.tiny import ensure_tiny
 
@@ -209,3 +210,91 @@ def test_conversations_dropped_while_masking_reach_the_data_report(tokenizer, tm
     assert dict(report.dropped) == {"truncated_away": 1} and report.kept == 3 == len(prepared)
     assert report.kept_supervised_tokens == sum(sum(masks[1:]) for masks in prepared["assistant_masks"]) > 0
     assert "truncated_away 1" in report.format() and "--audit-data" in report.format()
+
+
+# ── Text that is not UTF-8 ───────────────────────────────────────────────────────────────────────
+
+def latin1_line(instruction: str, output: str) -> bytes:
+    return json.dumps({"instruction": instruction, "output": output}, ensure_ascii=False).encode("latin-1") + b"\n"
+
+
+def test_a_line_that_is_not_utf8_is_a_counted_drop_with_its_line_number(alpaca_with_bad_lines, tmp_path):
+    path, good = alpaca_with_bad_lines
+    lines = path.read_bytes().splitlines(keepends=True)
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_bytes(b"".join(lines[:2] + [latin1_line("Order a coffee.", "Un café, s'il vous plaît.")] + lines[2:]))
+    dataset, report = load_checked_dataset(data_args(mixed))
+    assert report.dropped["not_utf8"] == 1 and (report.rows, report.kept) == (28, 20)
+    assert report.examples["not_utf8"] == 'line 3: {"instruction": "Order a coffee.", "output": "Un caf\\xe9, s\'il vous pla\\xeet."}'
+    assert "\ufffd" not in json.dumps(dataset.to_list(), ensure_ascii=False)  # nothing trained on replacement characters
+    streamed = data_args(mixed)
+    streamed.dataset_streaming = True
+    rows, _ = load_checked_dataset(streamed)
+    assert len(list(rows)) == 20
+
+
+def test_a_file_that_is_mostly_not_utf8_is_refused_naming_its_encoding(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(latin1_line("Say hi.", "Salut, ça va ?") * 3 + latin1_line("Say bye.", "Bye.") * 2)
+    with pytest.raises(RecipeError) as error:
+        load_checked_dataset(data_args(path))
+    assert str(error.value) == (
+        f"{path} (dataset_name) is not UTF-8: 3 of its first 5 lines cannot be decoded; it looks like Latin-1 / "
+        f"Windows-1252 (cp1252). Convert it to UTF-8, e.g. `iconv -f cp1252 -t UTF-8 {path} > "
+        f"{tmp_path / 'latin1'}.utf8.jsonl`, and point dataset_name at the converted file.")
+    utf16 = tmp_path / "utf16.jsonl"
+    utf16.write_bytes(('{"instruction": "Say hi.", "output": "Hi."}\n' * 3).encode("utf-16"))
+    with pytest.raises(RecipeError, match="it looks like UTF-16. Convert it to UTF-8, e.g. `iconv -f UTF-16 "):
+        load_checked_dataset(data_args(utf16))
+
+
+# ── A dataset path that is a folder ─────────────────────────────────────────────────────────────
+
+def test_a_folder_without_data_files_is_refused_saying_what_it_holds(tmp_path):
+    empty = tmp_path / "data.jsonl"  # `mkdir data.jsonl`: a folder named like a file
+    empty.mkdir()
+    with pytest.raises(RecipeError) as error:
+        load_checked_dataset(data_args(empty))
+    assert str(error.value) == (
+        f"{empty} (dataset_name) is a folder with no data file: it is empty. Point dataset_name at a data file (e.g. "
+        "train.jsonl), or put the rows in .json/.jsonl/.ndjson/.parquet/.csv/.tsv/.arrow files in that folder.")
+    (empty / "notes.txt").write_text("to do\n")
+    with pytest.raises(RecipeError, match=r"data.jsonl \(dataset_name\) is a folder with no data file: it holds notes.txt\. "):
+        load_checked_dataset(data_args(empty))
+
+
+def test_a_folder_of_data_files_with_a_stray_file_is_refused_naming_it(tmp_path):
+    folder = tmp_path / "chat"
+    (folder / "part").mkdir(parents=True)
+    rows = '{"instruction": "Say hi.", "output": "Hi."}\n' * 3
+    (folder / "part" / "train.jsonl").write_text(rows)
+    (folder / "README.md").write_text("# my data\n")  # a dataset card is not rows
+    (folder / ".notes.swp").write_text("x")  # nor are hidden files
+    dataset, report = load_checked_dataset(data_args(folder))
+    assert (len(dataset), report.rows) == (3, 3)
+    (folder / "notes.txt").write_text("to do\n")
+    with pytest.raises(RecipeError) as error:
+        load_checked_dataset(data_args(folder))
+    assert str(error.value) == (
+        f"{folder} (dataset_name) is a folder of 1 data file(s) (part/train.jsonl) and notes.txt, which are not rows "
+        "(.json/.jsonl/.ndjson/.parquet/.csv/.tsv/.arrow): move them out of the folder, or point dataset_name at the "
+        "data file itself.")
+
+
+# ── Empty replies: one rule, the masking's, for rows and masks alike ───────────────────────────
+
+def test_an_empty_reply_is_kept_by_the_row_rules_and_trains_its_end_of_turn(tokenizer, tmp_path):
+    hi, empty = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}
+    question, answer = {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}
+    rows = [{"messages": [hi, empty, question, answer]}, {"messages": [hi, empty]},
+            {"messages": [{"role": "user", "content": ""}, answer]}]  # an empty question is still a broken row
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    dataset, report = load_checked_dataset(data_args(path, "messages"))
+    assert dict(report.dropped) == {"empty_content": 1} and dataset["messages"] == [rows[0]["messages"],
+                                                                                  rows[1]["messages"]]
+    prepared = FORMATS["messages"].prepare(dataset, tokenizer, Tokenization(max_length=256), report)
+    assert dict(report.dropped) == {"empty_content": 1, "empty_assistant_turns": 1}  # every reply empty: nothing to learn
+    (ids,), (mask,) = prepared["input_ids"], prepared["assistant_masks"]
+    supervised = tokenizer.decode([token for token, keep in zip(ids, mask) if keep])
+    assert supervised == "<|eot_id|>A<|eot_id|>"  # the empty reply's end of turn, then the answer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -121,7 +122,9 @@ def test_dry_run_refuses_an_hsdp_shard_group_that_cannot_hold_the_run(tmp_path):
     config.write_text((REPO_ROOT / "accelerate_configs" / "fsdp2_2node.yaml").read_text() + (
         "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 8\n"))
     result = run_command([bin_path("python"), "scripts/sft.py", "recipes/qwen27b.yaml", "--dry-run", "--config_file",
-                          str(config), "--model_name_or_path", str(CONFIGS / "Qwen__Qwen3.5-27B.derived.json")])
+                          str(config), "--model_name_or_path", str(CONFIGS / "Qwen__Qwen3.5-27B.derived.json"),
+                          "--global_batch_size", "16", "--gpu", "H100"])  # the header names B300: 8 GPUs hold it there
     assert result.returncode == 2, result.stderr[-3000:]
     assert "HSDP shard group of 8 GPUs cannot hold this run on H100" in result.stderr
-    assert "the smallest shard size that fits is 16 (parallelism_config_dp_shard_size: 16" in result.stderr
+    assert re.search(r"\d+\.\d GiB per GPU, \d+\.\d GiB more than its 79\.6; the smallest shard size that fits is "
+                     r"16 \(every GPU: flat FSDP", result.stderr), result.stderr[-3000:]

@@ -77,3 +77,21 @@ def test_a_failed_check_moves_the_export_aside_and_raises(trainer, output_dir, m
     assert EXPORTED <= {p.name for p in aside.iterdir()}
     assert (output_dir / "notes.txt").read_text() == "written before the export"
     assert (output_dir / "checkpoint-2" / "trainer_state.json").is_file()
+
+
+def test_a_bf16_trained_model_exported_in_float32_is_checked_at_the_precision_it_trained_in(trainer, output_dir):
+    """Trained under bf16 autocast (as accelerate runs `bf16: true`), exported with export_dtype: float32: the fp32
+    reload differs from the trained logits by bf16 rounding only, which used to fail the fp32 tolerance of 1e-4."""
+    forward = trainer.model.forward
+
+    def autocast_forward(*args, **kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return forward(*args, **kwargs)
+
+    trainer.model.forward = autocast_forward
+    trainer.args = SimpleNamespace(bf16=True, fp16=False)
+    _, diff = export_run(trainer, SimpleNamespace(use_peft=False, export_dtype="float32", verify_export=True),
+                         output_dir, load_base=None)
+    assert 1e-4 < diff <= 5e-2  # bf16 rounding, within what a bf16 comparison allows
+    assert EXPORTED <= {p.name for p in output_dir.iterdir()}
+    assert export.logit_tolerance(torch.float32, torch.float32) == 1e-4  # an fp32 run stays checked at fp32

@@ -11,7 +11,9 @@ import sft_recipes.fault.checkpoints as checkpoints
 from conftest import REPO_ROOT, TINY_LLAMA_RECIPE
 from sft_recipes.config import load_recipe
 from sft_recipes.fault.checkpoints import COMPLETION_MARKER, recipe_fingerprint, rotate_checkpoints, write_marker
-from sft_recipes.fault.resume import protect_output_dir, recipe_identity, resolve_resume_checkpoint
+from sft_recipes.fault.resume import (
+    nothing_left_to_train, protect_output_dir, recipe_identity, resolve_resume_checkpoint,
+)
 
 
 def tiny_recipe(*overrides: str):
@@ -137,3 +139,22 @@ def test_a_packed_stream_resumes_only_with_the_same_readers(tmp_path, monkeypatc
     two_processes_one_worker = load_recipe(qwen, ["--dataloader_num_workers", "1"])
     monkeypatch.setattr(type(two_processes_one_worker.training), "world_size", property(lambda self: 2))
     assert protect_output_dir(two_processes_one_worker, args_for(tmp_path)) == []  # 2 x 1 == 1 x 2: resumes
+
+
+def test_a_checkpoint_at_max_steps_or_at_the_end_of_its_epochs_leaves_nothing_to_train(tmp_path):
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 4, "max_steps": 4, "num_train_epochs": 1}))
+
+    def args(**changes):
+        return SimpleNamespace(**{"max_steps": -1, "num_train_epochs": 1.0, **changes})
+
+    assert nothing_left_to_train(str(checkpoint), args(max_steps=4)) == (
+        f"{checkpoint} has already trained 4 step(s), reaching max_steps 4: nothing to train, nothing written. To "
+        "train further pass a larger --max_steps (e.g. --max_steps 8); to start over in this output_dir pass "
+        "--overwrite_output_dir true.")
+    assert nothing_left_to_train(str(checkpoint), args(max_steps=3)) is not None  # past it: nothing either
+    assert nothing_left_to_train(str(checkpoint), args(max_steps=5)) is None
+    assert "reaching num_train_epochs 1 (4 steps)" in nothing_left_to_train(str(checkpoint), args())
+    assert nothing_left_to_train(str(checkpoint), args(num_train_epochs=2.0)) is None  # one more epoch to train
+    assert nothing_left_to_train(None, args(max_steps=4)) is None  # a fresh run

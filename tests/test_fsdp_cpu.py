@@ -7,6 +7,9 @@ the same global batch in one process, a resume from its mid-run checkpoint, and 
 
 from __future__ import annotations
 
+import json
+import re
+import shlex
 import shutil
 import sqlite3
 import subprocess
@@ -51,9 +54,10 @@ def runs(tmp_path_factory):
     again = launch_sft(TINY_LLAMA_RECIPE, *COMMON, "--output_dir", str(root / "full"), "--report_to", "none",
                        check=False)
     after = {path.relative_to(root): path.stat().st_mtime_ns for path in (root / "full").rglob("*")}
-    # A read-only audit of the finished run at another global batch (1 process x 2 accumulation = 8 sequences).
+    # A read-only audit of the finished run's rows as chat, at another global batch (1 process x 2 accumulation =
+    # 8 sequences): neither the other format nor the other batch may matter, nothing is resumed.
     audit = run_command([bin_path("python"), "scripts/sft.py", str(TINY_LLAMA_RECIPE), "--audit-data", "1",
-                         "--output_dir", str(root / "full")])
+                         "--dataset_format", "alpaca_chat", "--output_dir", str(root / "full")])
     return {"root": root, "store": store, "full": two, "one": one, "resumed": resumed, "again": again,
             "untouched": before == after, "audit": audit}
 
@@ -69,7 +73,37 @@ def test_rerunning_a_finished_run_trains_nothing_and_writes_nothing(runs):
 def test_audit_after_a_run_reads_the_data_without_choosing_a_checkpoint(runs):
     audit = runs["audit"]
     assert audit.returncode == 0, audit.stderr[-3000:]
-    assert "global batch" not in audit.stderr and "resume_from_checkpoint=auto" not in audit.stderr
+    assert "resume_from_checkpoint=auto" not in audit.stderr and "=== example 0" in audit.stdout
+
+
+def test_console_is_one_line_per_step_and_train_log_keeps_it(runs):
+    console = runs["full"].stdout + runs["full"].stderr
+    for step in range(1, STEPS + 1):
+        assert re.search(rf"^step {step}/{STEPS} \| loss \d+\.\d{{4}} \| lr \d\.\d\de-\d\d \| grad norm .* \| [\d,]+ "
+                         rf"tokens/s/device \| peak \d+\.\d\d GiB \| ETA \d+:\d\d:\d\d$", console, re.M), step
+    assert "{'loss'" not in console
+    log = (runs["root"] / "full" / "train.log").read_text()
+    assert log.startswith("== ") and f"[train] {STEPS} steps in" in log
+    assert re.findall(rf"^step \d+/{STEPS} \| loss .*$", log, re.M) == re.findall(rf"^step \d+/{STEPS} \| loss .*$", console, re.M)
+    # rank 1 draws no bars: the console's final "Tokenizing" frames are rank 0's, the ones in its log
+    frames = re.findall(r"Tokenizing [^:]*: 100%[^\r\n]*", console)
+    assert frames and frames == re.findall(r"Tokenizing [^:]*: 100%[^\r\n]*", log)
+    # a resume appends to the same log: two runs, two headers
+    assert (runs["root"] / "two" / "train.log").read_text().count("\n== ") + 1 == 2
+
+
+def test_make_show_and_the_chat_command_it_prints_run_as_printed(runs):
+    from test_readme_commands import fresh_shell_env
+
+    # -o: this venv exists; a fresh checkout's timestamps must not make make rebuild it
+    shown = run_command(["make", "-s", "-o", ".venv/.installed", "show", f"OUT={runs['root'] / 'full'}"],
+                        env=fresh_shell_env())
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    once = re.search(r"one answer: (make chat OUT=\S+ ARGS='--prompt \"Hi\"')", shown.stdout)
+    assert once and "python scripts/" not in shown.stdout.replace(".venv/bin/python scripts/", ""), shown.stdout
+    words = shlex.split(once.group(1))
+    chat = run_command([words[0], "-s", "-o", ".venv/.installed", *words[1:]], env=fresh_shell_env())
+    assert chat.returncode == 0, chat.stderr[-3000:]
 
 
 def test_two_process_run_is_fsdp2(runs):
@@ -130,7 +164,7 @@ def test_simulated_two_node_launch(runs, tmp_path):
 
 def test_mlflow_has_one_run_with_params_and_a_loss_per_step(runs):
     db = sqlite3.connect(runs["store"])
-    experiments = db.execute("select experiment_id from experiments where name = 'air-multinode-llama-sft'").fetchall()
+    experiments = db.execute("select experiment_id from experiments where name = 'sft-recipes-tiny-llama8b'").fetchall()
     assert len(experiments) == 1
     run_ids = [r[0] for r in db.execute("select run_uuid from runs where experiment_id = ?", experiments[0])]
     assert run_ids == [read_summary(runs["root"] / "full")["mlflow_run_id"]]
@@ -150,8 +184,20 @@ def test_run_writes_curves_samples_and_card_and_logs_them_to_mlflow(runs):
     assert (full / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     card = ModelCard.load(full / "README.md")
     assert card.data.base_model == "tiny:llama" and f"| optimizer steps | {STEPS} |" in card.text
+    assert "\n# tiny:llama SFT (" in card.text and "meaningless by design" in card.text
+    # Tokens seen: unpadded, over both ranks; the same in one process at the same global batch, and carried
+    # through a resume by the checkpoint's trainer state.
+    seen = {name: json.loads((runs["root"] / name / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())[
+        "num_input_tokens_seen"] for name in ("full", "one", "two")}
+    assert seen["full"] == seen["one"] == seen["two"] > STEPS * 16  # 16 rows per step, each more than one token
+    assert f"| tokens seen | {seen['full']:,} (input tokens of the steps run, padding left out) |" in card.text
     samples = (full / "samples.md").read_text()
     assert samples.count("**Before training (base model)**") == 3 and "(not generated)" not in samples
+    # Asked as the alpaca rows were trained (before: the chat template, and every answer began "### Response:")
+    assert samples.startswith("# Sample generations (greedy, alpaca prompt `### Instruction: ... ### Response:`)")
+    after = [part.split("\n\n")[0] for part in samples.split("**After training (reloaded export)**\n\n")[1:]]
+    assert "meaningless by design" in samples and len(after) == 3
+    assert not any(answer.startswith("> ### Response") for answer in after), after
     # The resumed run kept the base model's answers from its first start.
     before = lambda text: [part.split("**After")[0] for part in text.split("**Before training (base model)**")[1:]]
     assert before((resumed / "samples.md").read_text()) == before(samples)

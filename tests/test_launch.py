@@ -50,7 +50,8 @@ def test_launch_environment_is_exactly_what_accelerate_launch_exports(config, tm
 
 def test_export_sets_the_launch_environment_in_this_process(monkeypatch):
     for name in ("ACCELERATE_USE_FSDP", "FSDP_ACTIVATION_CHECKPOINTING", "FSDP_VERSION", "ACCELERATE_MIXED_PRECISION"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "unset")  # recorded, so the teardown removes what export() sets
+        monkeypatch.delenv(name)
     read_accelerate_config(CONFIGS / "fsdp2_8gpu.yaml").export()
     import os
 

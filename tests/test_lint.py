@@ -45,8 +45,7 @@ CASES = {
         {"pack_blocks": True, "padding_free": True}, {}, {}, "must then be false (TRL refuses a custom collator with padding-free): set packing: false and padding_free: false, or pack_blocks: false"),
     "block_packing_needs_chat_data": (
         {"pack_blocks": True, "dataset_format": "alpaca", "dataset_name": "data/samples/alpaca.jsonl"}, {}, {},
-        "pack_blocks needs a chat dataset_format, one of ('alpaca_chat', 'messages', 'reasoning', 'vision_messages') "
-        "(got 'alpaca'): set pack_blocks: false, or"),
+        "(got 'alpaca'): set pack_blocks: false, or dataset_format: alpaca_chat (the rows as chat conversations)"),
     "streamed_rows_counted_in_a_worker": (
         {"dataset_streaming": True, "dataloader_num_workers": 2, "dataset_format": "alpaca",
          "dataset_name": "data/samples/alpaca.jsonl"}, {}, {}, "set dataloader_num_workers: 0, or"),

@@ -134,7 +134,7 @@ def test_qwen27b_at_32k_on_8_h100_gets_a_suggestion_that_fits_and_keeps_8_blocks
         assert option.fits("H100") and s.seq_len == 32768
         assert s.micro_batch_size * s.gradient_accumulation_steps * s.data_parallel_size == 8
     best = report.suggestions[0]
-    text = format_layouts(report, "accelerate launch --config_file accelerate_configs/fsdp2_8gpu.yaml scripts/sft.py "
+    text = format_layouts(report, ".venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_8gpu.yaml scripts/sft.py "
                                   "recipes/qwen27b.yaml")
     assert f"scripts/sft.py recipes/qwen27b.yaml {' '.join(best.overrides)}" in text
     assert "does not fit on H100" in text
@@ -157,7 +157,8 @@ def test_llama8b_on_16_h100_is_told_only_to_stop_checkpointing():
 
 
 def test_an_hsdp_shard_group_that_cannot_hold_the_run_names_the_shortfall_and_the_smallest_shard_that_fits():
-    loaded = load_recipe(REPO_ROOT / "recipes" / "qwen27b.yaml", {"model_name_or_path": str(QWEN_27B)}, planning=True)
+    loaded = load_recipe(REPO_ROOT / "recipes" / "qwen27b.yaml", {"model_name_or_path": str(QWEN_27B),
+                                                                 "global_batch_size": 16}, planning=True)
     accelerate_config = read_accelerate_config(REPO_ROOT / "accelerate_configs" / "fsdp2_2node.yaml")
     plan = plan_recipe(loaded, accelerate_config, 16, replicate_size=2)
     config = read_model_config(QWEN_27B, download=False)
@@ -166,3 +167,24 @@ def test_an_hsdp_shard_group_that_cannot_hold_the_run_names_the_shortfall_and_th
     assert shortfall is not None and shortfall.smallest_fitting_shard == 16
     assert shortfall.shortfall_gib == pytest.approx(plan.memory.total - 79.6)
     assert shard_group_shortfall(config, plan.counts, plan.setup, "B300") is None
+
+
+def test_the_dry_run_plans_for_the_gpu_the_recipe_header_names(tmp_path):
+    from sft_recipes.plan import header_gpu
+
+    assert (header_gpu(REPO_ROOT / "recipes" / "qwen27b.yaml"), header_gpu(REPO_ROOT / "recipes" / "llama8b.yaml")) == \
+        ("B300", "H100")
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("model_name_or_path: x\n")
+    assert header_gpu(bare) == "H100"
+
+
+def test_a_layout_change_names_the_config_to_launch_with():
+    from sft_recipes.layouts import hsdp_config_name
+
+    # back to flat FSDP from an HSDP launch: the shipped flat config of that many nodes, else the base without it
+    assert hsdp_config_name(MeshLayout(2, 8, 1), "/tmp/mine.yaml") == "accelerate_configs/fsdp2_2node.yaml"
+    assert hsdp_config_name(MeshLayout(3, 8, 1), "/tmp/mine.yaml") == "a copy of /tmp/mine.yaml without parallelism_config"
+    assert hsdp_config_name(MeshLayout(3, 8, 3), "accelerate_configs/fsdp2_2node.yaml") == (
+        "a copy of accelerate_configs/fsdp2_2node.yaml with parallelism_config: "
+        "{parallelism_config_dp_replicate_size: 3, parallelism_config_dp_shard_size: 8}")

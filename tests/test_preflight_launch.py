@@ -35,3 +35,42 @@ def test_launch_script_stops_before_starting_anything():
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: accelerate_configs/fsdp2_2node.yaml + recipes/llama8b.yaml"), lines
     assert "[launch]" not in result.stderr  # accelerate was never started
+
+
+def _refused_before_any_process(result, problem: str) -> None:
+    """Exit 2, one `error:` line naming the problem, and nothing from accelerate or torchrun."""
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and problem in errors[0], errors
+    for launcher_output in ("[launch]", "Traceback", "ChildFailedError", "torch.distributed", "exitcode"):
+        assert launcher_output not in result.stdout + result.stderr, launcher_output
+
+
+def test_a_bad_override_through_the_launcher_is_one_line_before_torchrun():
+    env = {"PATH": f"{Path(bin_path('python')).parent}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": ""}
+    result = run_command(["bash", str(REPO_ROOT / "scripts" / "launch_multinode.sh"), "accelerate_configs/fsdp2_cpu.yaml",
+                          "recipes/tiny/llama8b.yaml", "--max_steps", "2", "--learning_rate", "-1"], env=env)
+    _refused_before_any_process(result, "'learning_rate' must be a finite number > 0, got -1")
+    # the world size the launch would make (NUM_NODES x LOCAL_WORLD_SIZE) reaches the linter
+    result = run_command(["bash", str(REPO_ROOT / "scripts" / "launch_multinode.sh"), "accelerate_configs/fsdp2_cpu.yaml",
+                          "recipes/tiny/llama8b.yaml", "--sequence_parallel_size", "3", "--pack_blocks", "true"],
+                         env={**env, "NUM_NODES": "2", "LOCAL_WORLD_SIZE": "2"})
+    _refused_before_any_process(result, "sequence_parallel_size=3 must divide the world size 4; use one of [1, 2, 4]")
+
+
+def test_a_bad_override_through_make_demo_is_one_line_and_the_last_demo_is_kept(tmp_path):
+    last_demo = tmp_path / "demo"
+    last_demo.mkdir()
+    (last_demo / "run_summary.json").write_text("{}")
+    # -o: the venv is there (this interpreter's); make must not rebuild it from a fresh checkout's timestamps
+    result = run_command(["make", "-s", "-o", ".venv/.installed", "demo", f"PY={bin_path('python')}",
+                          f"DEMO_DIR={last_demo}", "ARGS=--dataset_name data/samples/nope.jsonl"])
+    _refused_before_any_process(result, "Dataset file not found: data/samples/nope.jsonl (dataset_name)")
+    assert (last_demo / "run_summary.json").is_file()  # refused before `rm -rf` of the last demo
+
+
+def test_recipe_check_passes_every_shipped_cpu_launch():
+    from sft_recipes.preflight_launch import recipe_refusal
+
+    for recipe in sorted((REPO_ROOT / "recipes" / "tiny").glob("*.yaml")):
+        assert recipe_refusal("accelerate_configs/fsdp2_cpu.yaml", str(recipe), [], None, has_accelerator=False) is None

@@ -20,7 +20,9 @@ TWINS = sorted((REPO_ROOT / "recipes" / "tiny").glob("*.yaml"))
 # gradient_accumulation_steps instead, because the tests launch them on 1, 2 and 4 CPU processes and compare
 # layouts at batches they choose per test: a twin may give the real recipe's global batch key as accumulation.
 TWIN_BATCH = ({"global_batch_size", "global_batch_tokens"}, "gradient_accumulation_steps")
+# mlflow_experiment_name: a twin's CPU runs must not land among the real recipe's GPU runs in its experiment.
 TWIN_MAY_DIFFER = {
+    "mlflow_experiment_name",
     "eval_datasets", "eval_strategy", "eval_steps", "per_device_eval_batch_size",
     "model_name_or_path", "dataset_name", "dataset_config", "dataset_revision", "dataset_streaming",
     "export_dtype", "max_length", "max_steps", "num_train_epochs", "learning_rate", "save_steps",
@@ -67,6 +69,8 @@ def test_tiny_twin_differs_only_in_model_data_and_sizes(twin):
     tiny_values = {k: v for k, v in tiny_values.items() if k != TWIN_BATCH[1]}
     assert set(real_values) - set(tiny_values) == set(), "the twin must set every key of the real recipe"
     assert set(tiny_values) - set(real_values) <= {"use_cpu"}
+    if "mlflow_experiment_name" in real_values:
+        assert tiny_values["mlflow_experiment_name"] != real_values["mlflow_experiment_name"]
     differing = {k for k in real_values if tiny_values[k] != real_values[k]}
     assert differing <= TWIN_MAY_DIFFER, f"the twin changes more than model/data/sizes: {differing - TWIN_MAY_DIFFER}"
 

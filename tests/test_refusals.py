@@ -44,20 +44,33 @@ def test_a_missing_dataset_is_one_line(tmp_path):
     assert errors == ["error: Dataset file not found: data/samples/nope.jsonl (dataset_name). Check the path "
                       f"relative to {REPO_ROOT}."]
     assert not _own_traceback(result.stderr)
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    assert result.stderr.strip().splitlines()[-1] == errors[0]  # the last thing the process wrote
+    # nothing but the log of the refusal: the console as it was, the error line last
+    assert [path.name for path in (tmp_path / "out").iterdir()] == ["train.log"]
+    assert (tmp_path / "out" / "train.log").read_text().splitlines()[-1] == errors[0]
 
 
 @pytest.mark.fsdp
-def test_under_accelerate_launch_one_rank_prints_and_every_rank_exits_2(tmp_path):
-    result = launch_sft(TINY_LLAMA_RECIPE, "--dataset_name", "data/samples/nope.jsonl",
-                        "--output_dir", str(tmp_path / "out"), check=False)
+@pytest.mark.parametrize("override, first_words", [
+    (("--dataset_name", "data/samples/nope.jsonl"), "error: Dataset file not found: data/samples/nope.jsonl"),
+    (("--max_stepz", "3"), "error: "),  # a typo: refused at parse, the earliest point
+])
+def test_under_accelerate_launch_one_rank_prints_and_every_rank_exits_2(tmp_path, override, first_words):
+    result = launch_sft(TINY_LLAMA_RECIPE, *override, "--output_dir", str(tmp_path / "out"), check=False)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: Dataset file not found: data/samples/nope.jsonl")
-    # torchrun's report: every rank refused (2) or was stopped by torchrun once the first one had (SIGTERM)
+    assert len(errors) == 1 and errors[0].startswith(first_words), errors
+    # torchrun's report: every rank refused, none was stopped by torchrun (SIGTERM, -15) once the first one had
     codes = re.findall(r"exitcode  : (-?\d+)", result.stderr)
-    assert "2" in codes and set(codes) <= {"2", "-15"}, codes
+    assert codes == ["2", "2"], codes
     assert not _own_traceback(result.stderr)
+    # below torchrun's report, train.log has rank 0's console and every rank that refused before torchrun stopped it
+    log = (tmp_path / "out" / "train.log").read_text().splitlines()
+    assert errors[0] in log and "ChildFailedError" not in "\n".join(log)
+    ranks_logged = [line for line in log if line.startswith("[rank ")]
+    assert ranks_logged in ([], [f"[rank 1] {errors[0]}"]), log
+    if "-15" not in codes:  # both ranks refused (none was stopped first): both lines are there
+        assert ranks_logged == [f"[rank 1] {errors[0]}"], log
 
 
 def _refusal(path, overrides=()) -> str:
@@ -84,6 +97,6 @@ def test_the_most_common_refusals_end_with_what_to_do(tmp_path):
     message = _refusal(TINY_LLAMA_RECIPE, ["--pack_blocks", "true", "--datasets",
                                             "[{path: data/samples/alpaca.jsonl, dataset_format: alpaca}]",
                                             "--dataset_name", "null"])
-    assert "has dataset_format 'alpaca'; pack_blocks packs chat conversations (messages or reasoning): set " \
-           "pack_blocks: false, or give this source as chat conversations" in message
+    assert "has dataset_format 'alpaca'; pack_blocks packs chat conversations (alpaca_chat or messages or reasoning): " \
+           "set pack_blocks: false, or dataset_format: alpaca_chat on this source (its rows as chat conversations)" in message
     assert message.endswith(f"Fix that key in {TINY_LLAMA_RECIPE} or its --key override.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import struct
 
 import pytest
@@ -121,10 +122,24 @@ def test_card_parses_back_and_names_the_base_model(tmp_path):
     assert "| tatsu-lab/alpaca | r1 | train | 75.0% |" in card.text
     assert "| data/samples/ultrachat.jsonl | unpinned | train | 25.0% |" in card.text
     assert "| final train loss | 2.0000 |" in card.text and "| final eval loss | 2.4000 |" in card.text
-    assert "| tokens seen | 12,345 |" in card.text and "max abs difference 2e-06" in card.text
+    assert "| tokens seen | 12,345 (input tokens of the steps run, padding left out) |" in card.text
+    assert "max abs difference 2e-06" in card.text
+    assert "\n# SmolLM2-135M-Instruct SFT (recipes/smollm2-135m.yaml)\n" in card.text and "**Note:**" not in card.text
     recipe = yaml.safe_load(card.text.split("```yaml\n")[1].split("```")[0])
     assert recipe == {"model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "learning_rate": 1e-4,
                       "output_dir": "outputs/x"}
+
+
+def test_a_tiny_twins_card_is_titled_by_the_model_run_and_says_it_is_a_random_stand_in(tmp_path):
+    from sft_recipes.reporting.samples import random_stand_in
+
+    facts = card_facts(base_model="tiny:llama", recipe_path=str(Path.cwd() / "recipes" / "tiny" / "llama8b.yaml"),
+                       stand_in_note=random_stand_in("tiny:llama"))
+    text = ModelCard.load(write_model_card(facts, tmp_path)).text
+    assert "\n# tiny:llama SFT (recipes/tiny/llama8b.yaml)\n" in text and "# llama8b\n" not in text
+    assert "> **Note:** tiny:llama is a tiny randomly initialised stand-in: its answers are meaningless" in text
+    assert "\n# my-org/my-model\n" in ModelCard.load(write_model_card(
+        card_facts(hub_model_id="my-org/my-model"), tmp_path)).text
 
 
 def test_adapter_card_says_how_to_load_base_plus_adapter(tmp_path):

@@ -16,9 +16,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO_ROOT, free_port
 from sft_recipes.reporting.load_export import export_kind, load_export
+from sft_recipes.config import load_recipe
+from sft_recipes.data.formats import FORMATS, Tokenization
 from sft_recipes.reporting.samples import (
     BEFORE_FILE, BaseSamplesCallback, chat_prompt_ids, default_sample_prompts, generate_answers, greedy_generate,
-    samples_markdown, stop_token_ids, write_samples,
+    prompt_ids, prompt_style, random_stand_in, samples_markdown, stop_token_ids, write_samples,
 )
 from sft_recipes.tiny import ensure_tiny
 
@@ -64,6 +66,36 @@ def test_markdown_puts_before_and_after_side_by_side():
     text = samples_markdown(["Q1"], ["old\nanswer"], ["new"])
     assert text == ("# Sample generations (greedy, chat template)\n\n## 1. Prompt\n\n> Q1\n\n"
                     "**Before training (base model)**\n\n> old\n> answer\n\n**After training (reloaded export)**\n\n> new\n")
+
+
+def test_samples_are_asked_in_the_prompt_format_the_run_trains():
+    recipes = REPO_ROOT / "recipes"
+    assert prompt_style(load_recipe(recipes / "tiny" / "llama8b.yaml").data) == "alpaca"
+    assert prompt_style(load_recipe(recipes / "tiny" / "qwen27b.yaml").data) == "chat"
+    assert prompt_style(load_recipe(recipes / "examples" / "tiny_llama_mixture.yaml").data) == "chat"  # two styles
+    assert prompt_style(load_recipe(recipes / "tiny" / "llama8b.yaml", {"dataset_format": "alpaca_chat"}).data) == "chat"
+
+
+def test_an_alpaca_sample_prompt_is_the_training_rows_prompt_token_for_token(tiny_llama):
+    _, _, tokenizer = tiny_llama
+    row = {"instruction": ["What is 2 + 3?"], "input": [None], "output": ["5"]}
+    trained = FORMATS["alpaca"]._tokens(row, tokenizer, Tokenization(max_length=None))
+    ids, labels = trained["input_ids"][0], trained["labels"][0]
+    asked = prompt_ids(tokenizer, "What is 2 + 3?", "alpaca")
+    prompt_length = labels.index(next(label for label in labels if label != -100))
+    assert asked == ids[:prompt_length]  # what the model saw before every answer it learned, nothing else
+    assert tokenizer.decode(asked).endswith("### Instruction:\nWhat is 2 + 3?\n\n### Response:\n")
+    assert prompt_ids(tokenizer, "Hi", "chat") == chat_prompt_ids(tokenizer, "Hi")
+    assert prompt_ids(tokenizer, "Once upon", "text") == tokenizer("Once upon")["input_ids"]
+
+
+def test_markdown_names_the_prompt_format_and_says_when_the_model_is_a_random_stand_in():
+    note = random_stand_in("tiny:llama")
+    assert "tiny:llama is a tiny randomly initialised stand-in: its answers are meaningless by design" in note
+    assert random_stand_in("meta-llama/Llama-3.1-8B") is None and random_stand_in(".cache/smollm2/x") is None
+    text = samples_markdown(["Q1"], None, ["a"], style="alpaca", stand_in_note=note)
+    assert text.startswith("# Sample generations (greedy, alpaca prompt `### Instruction: ... ### Response:`)\n\n"
+                           f"**Note:** {note}\n\n## 1. Prompt")
 
 
 # ── Greedy generation ─────────────────────────────────────────────────────────────────────────

@@ -8,6 +8,7 @@ go wrong: a rank mixing only its own chunk (no exchange), and labels shifted aft
 import copy
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,10 +25,13 @@ from sft_recipes.architectures import prepare_for_packing
 from sft_recipes.architectures.sequence_parallel import (
     check_sequence_parallel_size,
     enable_sequence_parallel,
+    gather_chunks,
+    heads_to_seq,
     kv_heads_per_rank,
     new_sequence_parallel_group,
     sequence_parallel_layout,
     sequence_parallel_sizes_for,
+    seq_to_heads,
 )
 from sft_recipes.tiny import real_config_dict
 from sft_recipes.token_loss import global_token_mean, summed_token_loss
@@ -299,3 +303,46 @@ def test_flash_varlen_gets_the_rank_s_heads_over_the_whole_block_with_its_bounda
     one_rank = repr(([2, 8, 16, head_dim], block_boundaries, sinks))
     sequence_parallel = repr(([2, 4, 16, head_dim], block_boundaries, sinks and sinks // 2))
     assert result["varlen_calls"] == sorted([one_rank, sequence_parallel])
+
+
+# --- the exchange in every group, not only the one holding ranks 0..N-1 ------------------------------
+
+GROUPS_OF_TWO = 4  # processes: two SP groups of two
+
+
+def two_groups_worker(rank: int, port: int, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=GROUPS_OF_TWO)
+    try:
+        layout, group = new_sequence_parallel_group(2)
+        # [B=1, 4 heads, 2 tokens, D=1]: value = 1000 * group + 100 * head + global token position.
+        tokens = torch.arange(2) + 2 * layout.sp_rank
+        x = (1000 * layout.dp_rank + 100 * torch.arange(4)[:, None] + tokens[None, :]).float()
+        x = x[None, :, :, None].requires_grad_()
+        heads = seq_to_heads(x, group, seq_dim=2, head_dim=1, heads_per_rank=[[0, 1], [2, 3]])
+        back = heads_to_seq(heads, group, seq_dim=2, head_dim=1)
+        (back * (layout.sp_rank + 1)).sum().backward()
+        chunk = torch.tensor([[float(rank)]], requires_grad=True)
+        gathered = torch.cat(gather_chunks(chunk, group))
+        (gathered * (layout.sp_rank + 1)).sum().backward()
+        result = {"heads": heads[0, :, :, 0].tolist(), "round_trip": torch.equal(back, x),
+                  "grad": x.grad.unique().tolist(), "gathered": gathered[:, 0].tolist(), "chunk_grad": chunk.grad.item()}
+        Path(out_path, f"{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.fsdp
+def test_the_exchange_is_right_in_every_group_of_two_groups(tmp_path):
+    """4 gloo ranks as SP groups {0, 1} and {2, 3}: torch.distributed.nn's all_to_all failed in the second."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(two_groups_worker, args=(free_port(), str(tmp_path)), nprocs=GROUPS_OF_TWO)
+    results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(GROUPS_OF_TWO)]
+    for rank, result in enumerate(results):
+        group, sp_rank = divmod(rank, 2)
+        own_heads = [2 * sp_rank, 2 * sp_rank + 1]
+        assert result["heads"] == [[1000 * group + 100 * head + token for token in range(4)] for head in own_heads]
+        assert result["round_trip"] is True
+        assert result["grad"] == [sp_rank + 1]  # the gradient went back to the chunk it came from
+        assert result["gathered"] == [2 * group, 2 * group + 1]
+        assert result["chunk_grad"] == 3  # 1 + 2: both ranks' weights

@@ -189,3 +189,43 @@ def test_mlflow_shows_the_world_size_change(elastic_runs):
     _, store = elastic_runs
     tags = dict(sqlite3.connect(store).execute("select key, value from tags"))
     assert (tags["world_size"], tags["world_size_at_checkpoint"]) == ("1", "2")
+
+
+# ── Packed streams: every layout offered for a reader count trains the same blocks at every step ─────────────
+
+class ReaderRows(torch.utils.data.IterableDataset):
+    """One rank's packed-stream readers as the run cuts them (`RankLocalBlockStream.reader_shard`): row ids."""
+
+    def __init__(self, rank: int, ranks: int):
+        from datasets import Dataset
+        from sft_recipes.data.blocks import RankLocalBlockStream
+        rows = Dataset.from_list([{"messages": str(i)} for i in range(64)])
+        self.stream = RankLocalBlockStream(rows, SimpleNamespace(pad_token_id=0), 8, rank=rank, world_size=ranks)
+
+    def __iter__(self):  # `.iter()`, as the stream reads it: `__iter__` would split the shard again among workers
+        return (int(row) for batch in self.stream.reader_shard().iter(batch_size=8) for row in batch["messages"])
+
+
+def blocks_per_step(ranks: int, workers: int, global_batch: int, micro: int, steps: int) -> list[list[int]]:
+    """What each optimizer step takes from the readers, gathered over the ranks, through torch's DataLoader."""
+    accumulation = global_batch // (micro * ranks)
+    per_rank = []
+    for rank in range(ranks):
+        loader = iter(DataLoader(ReaderRows(rank, ranks), batch_size=micro, num_workers=workers))
+        per_rank.append([next(loader).tolist() for _ in range(steps * accumulation)])
+    return [sorted(row for batches in per_rank for batch in batches[step * accumulation:(step + 1) * accumulation]
+                   for row in batch) for step in range(steps)]
+
+
+@pytest.mark.parametrize("micro, global_batch", [(1, 2), (2, 4), (1, 8)])
+def test_every_packed_stream_layout_with_the_same_readers_trains_the_same_blocks_each_step(micro, global_batch):
+    """4 readers as 1 x 4, 2 x 2, 4 x 1 (processes x dataloader workers; the refusal's list), each where the global
+    batch can be made: a resume on any of them skips what the steps before took and goes on with the same blocks.
+    (2 x 2 against 1 x 4 used to differ from the second step when a step takes fewer blocks than there are readers:
+    the same readers, consumed in another order.)"""
+    assert reader_layouts(4) == "1 x 4, 2 x 2, 4 x 1"
+    layouts = [(ranks, 4 // ranks) for ranks in (1, 2, 4) if global_batch % (micro * ranks) == 0]
+    assert len(layouts) >= 2
+    steps = [blocks_per_step(ranks, workers, global_batch, micro, steps=4) for ranks, workers in layouts]
+    assert all(layout_steps == steps[0] for layout_steps in steps), layouts
+    assert len({row for step in steps[0] for row in step}) == 4 * global_batch  # no row twice

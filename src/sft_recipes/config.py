@@ -196,6 +196,12 @@ class TrainingArguments(SFTConfig):
                   "[] = no samples."},
     )
     sample_max_new_tokens: int = field(default=64, metadata={"help": "Longest sample answer, in tokens."})
+    include_num_input_tokens_seen: str | bool = field(
+        default="non_padding",
+        metadata={"help": "Count the input tokens trained on (the model card's `tokens seen`, kept in checkpoints): "
+                  "padding left out, a sequence-parallel group's block once; one number gathered per micro-batch. "
+                  "'no' turns it off (transformers' default)."},
+    )
     sequence_parallel_size: int = field(
         default=1,
         metadata={"help": "Ranks that share each packed block (Ulysses sequence parallelism): each holds 1/N of its "

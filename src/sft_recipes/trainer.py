@@ -19,9 +19,10 @@ from sft_recipes.data.blocks import IGNORE_INDEX, RankLocalBlockStream, StopWhen
 from sft_recipes.data.sequence_shards import shard_block
 from sft_recipes.evaluation import TokenWeightedEvalMixin
 from sft_recipes.export import export_adapter
+from sft_recipes.fault.output_disk import check_room_before_save, saved_or_refused
 from sft_recipes.fault.uneven_shards import EndOfDataTogetherMixin
 from sft_recipes.fault.world_size import whole_global_batches
-from sft_recipes.metrics import ThroughputMeter
+from sft_recipes.metrics import ThroughputMeter, real_tokens_and_attention_length
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,19 @@ class RecipeSFTTrainer(TokenWeightedEvalMixin, EndOfDataTogetherMixin, SFTTraine
                 logger.info("[data] all %d ranks trained on %s", self.args.world_size, self.exhaustion.total.describe())
         return result
 
+    def _track_num_input_tokens(self, inputs):
+        """`state.num_input_tokens_seen` as the throughput counts tokens: a block stream's exact real tokens (its
+        padding tails left out), else the batch's unpadded tokens; a sequence-parallel group's block once (its ranks
+        all hold it whole here). transformers' own count takes every rank's input_ids, padding included."""
+        if self.args.include_num_input_tokens_seen == "no":
+            return
+        stats = inputs.get("stream_stats")
+        tokens = stats.real_tokens if stats is not None else real_tokens_and_attention_length(inputs)[0]
+        if self.sequence_parallel is not None and self.sequence_parallel.sp_rank != 0:
+            tokens = 0
+        counted = torch.tensor(tokens, device=self.args.device, dtype=torch.int64)
+        self.state.num_input_tokens_seen += int(self.accelerator.gather(counted).sum().item())
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         exhausted = inputs.pop("stream_exhausted", None)
         stats = inputs.pop("stream_stats", None)
@@ -154,7 +168,10 @@ class RecipeSFTTrainer(TokenWeightedEvalMixin, EndOfDataTogetherMixin, SFTTraine
         return every_rank / self.sequence_parallel.sp_size  # each block was counted by each rank of its group
 
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
+        checkpoint = Path(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        # A disk without room for it is refused before the save, one that fills during it in one line, on every rank.
+        check_room_before_save(self.args.output_dir, self.state.global_step, self.args.ddp_timeout)
+        saved_or_refused(lambda: super(RecipeSFTTrainer, self)._save_checkpoint(model, trial), checkpoint,
+                         self.args.ddp_timeout)
         if self.adapter_checkpoints:  # collective, like the save itself
-            checkpoint = Path(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             export_adapter(self, checkpoint / "adapter")

@@ -53,6 +53,7 @@ import argparse
 import contextlib
 import difflib
 import functools
+import json
 import os
 import re
 import shlex
@@ -262,37 +263,42 @@ def _permission_problems(permissions) -> list[str]:
     return problems
 
 
-def runtime_problems(workload: Mapping) -> list[str]:
-    """The runtime's own structural rules (module docstring, part 1), every violation at once."""
+def runtime_problems(workload: Mapping) -> dict[str, list[str]]:
+    """The runtime's own structural rules (module docstring, part 1), every violation at once, by section
+    (so that the cross-file rules run wherever the sections they read are sound)."""
+    sections: dict[str, list[str]] = {}
     problems = _unknown("workload", workload, TOP_LEVEL_KEYS)
     problems += [f"{key} is required: add it (see workloads/llama8b.yaml)" for key in REQUIRED_KEYS if key not in workload]
+    sections["workload"] = problems
     if "experiment_name" in workload:
-        problems += _task_key_problems("experiment_name", workload["experiment_name"])
+        sections["experiment_name"] = _task_key_problems("experiment_name", workload["experiment_name"])
     if "compute" in workload:
-        problems += _compute_problems(workload["compute"])
+        sections["compute"] = _compute_problems(workload["compute"])
     if "environment" in workload:
-        problems += _environment_problems(workload["environment"])
+        sections["environment"] = _environment_problems(workload["environment"])
     if "command" in workload:
-        command = workload["command"]
+        command, problems = workload["command"], []
         if not isinstance(command, str) or not command.strip():
             problems.append("command is empty: run scripts/launch_multinode.sh CONFIG RECIPE on every node")
         elif command.count("\n") + 1 > MAX_COMMAND_LINES:
             problems.append(f"command has {command.count(chr(10)) + 1} lines (the runtime allows {MAX_COMMAND_LINES}): "
                             "move the logic into a script under code_source")
+        sections["command"] = problems
     mappings = {}
     for key in ("env_variables", "secrets", "parameters"):
         value = workload.get(key)
-        if value is not None and not isinstance(value, Mapping):
-            problems.append(f"{key} must be a mapping of NAME: value")
+        sections[key] = [f"{key} must be a mapping of NAME: value"] if value is not None and not isinstance(value, Mapping) \
+            else []
         mappings[key] = value if isinstance(value, Mapping) else {}
     for name, reference in mappings["secrets"].items():
         parts = str(reference).split("/")
         if len(parts) != 2 or not all(parts):
-            problems.append(f"secrets.{name} {reference!r} must be 'scope/key' (e.g. my_scope/hf_token)")
+            sections["secrets"].append(f"secrets.{name} {reference!r} must be 'scope/key' (e.g. my_scope/hf_token)")
     for name in sorted(set(mappings["env_variables"]) & set(mappings["secrets"])):
-        problems.append(f"{name} is in both env_variables and secrets: remove it from env_variables")
+        sections["env_variables"].append(f"{name} is in both env_variables and secrets: remove it from env_variables")
     if "code_source" in workload:
-        problems += _code_source_problems(workload["code_source"])
+        sections["code_source"] = _code_source_problems(workload["code_source"])
+    problems = []
     for key, least in (("max_retries", 0), ("timeout_minutes", 1)):
         value = workload.get(key)
         if value is not None and (not _is_int(value) or value < least):
@@ -317,7 +323,8 @@ def runtime_problems(workload: Mapping) -> list[str]:
         problems.append("usage_policy_name must be 1-127 characters")
     if policy_id is not None and not _UUID.match(str(policy_id).strip()):
         problems.append(f"usage_policy_id {policy_id!r} must be a UUID; to name the policy use usage_policy_name")
-    return problems
+    sections["run options"] = problems
+    return sections
 
 
 # ---- ours: the workload against the files it launches ---------------------------------------------
@@ -384,12 +391,13 @@ def header_variants(recipe_path: Path) -> list[str]:
 
 
 @functools.lru_cache(maxsize=32)
-def _plan(recipe: str, overrides: tuple, config_path: str, world_size: int):
+def _plan(recipe: str, overrides_json: str, config_path: str, world_size: int):
+    """The --dry-run plan (cached: broken copies of one workload share it)."""
     from sft_recipes.config import load_recipe
     from sft_recipes.plan import plan_recipe
 
     config = read_accelerate_config(config_path)
-    return plan_recipe(load_recipe(recipe, dict(overrides), planning=True), config, world_size)
+    return plan_recipe(load_recipe(recipe, json.loads(overrides_json), planning=True), config, world_size)
 
 
 def _fit_problems(recipe_path: Path, overrides: dict, config: AccelerateConfig, compute: Mapping,
@@ -401,9 +409,7 @@ def _fit_problems(recipe_path: Path, overrides: dict, config: AccelerateConfig, 
     planned = {**overrides, **({"model_name_or_path": model_config} if model_config else {})}
 
     def plan(extra: dict):
-        merged = tuple(sorted({**planned, **extra}.items(), key=lambda item: item[0]))
-        return _plan(str(recipe_path), tuple((k, v if not isinstance(v, list) else tuple(v)) for k, v in merged),
-                     str(config.path), world_size)
+        return _plan(str(recipe_path), json.dumps({**planned, **extra}, sort_keys=True), str(config.path), world_size)
 
     try:
         base = plan({})
@@ -482,14 +488,19 @@ def _runtime_environment(env_variables: Mapping):
         os.environ.update(saved)
 
 
-def cross_file_problems(workload: Mapping, workload_path: Path, model_config: str | None = None) -> list[Problem]:
-    """Ours (module docstring, part 2): the workload against the config, recipe and pins it launches."""
+def cross_file_problems(workload: Mapping, workload_path: Path, model_config: str | None = None,
+                        sound: Mapping[str, bool] | None = None) -> list[Problem]:
+    """Ours (module docstring, part 2): the workload against the config, recipe and pins it launches.
+
+    `sound`: which sections passed the runtime's rules (default: all); a rule that reads a broken section is
+    skipped, the section's own line already says what to fix."""
     from sft_recipes.config import SECRET_KEYS, _field_owners, load_recipe
 
+    sound = {key: True for key in ("compute", "environment", "launch")} | dict(sound or {})
     env_variables = workload.get("env_variables") or {}
     secrets = workload.get("secrets") or {}
     parameters = workload.get("parameters") or {}
-    compute = workload.get("compute") or {}
+    compute = workload.get("compute") if sound["compute"] else {}
     code_source = workload.get("code_source") or {}
     snapshot = code_source.get("snapshot", code_source) if isinstance(code_source, Mapping) else {}
     root = (workload_path.parent / str(snapshot.get("root_path") or ".")).resolve()
@@ -506,8 +517,10 @@ def cross_file_problems(workload: Mapping, workload_path: Path, model_config: st
                                     + (f": did you mean '{close[0]}'?" if close else ": remove it (see src/sft_recipes/config.py)")))
 
     dependencies = (workload.get("environment") or {}).get("dependencies")
-    if isinstance(dependencies, list):
+    if isinstance(dependencies, list) and sound["environment"] and sound["launch"]:
         problems += [Problem(p) for p in _dependency_problems(dependencies, root / "requirements.txt")]
+    if not sound["launch"]:
+        return problems
 
     launch = launched(str(workload.get("command") or ""), env_variables)
     if launch is None:
@@ -541,6 +554,11 @@ def cross_file_problems(workload: Mapping, workload_path: Path, model_config: st
         problems.append(Problem(f"the recipe with parameters and the command's overrides does not load: {err}"))
         return problems
     values = recipe.values
+    if _is_int(count):  # the run's first check: a global batch the GPUs cannot make, or a fixed accumulation beside it
+        from sft_recipes.lint import LintContext, batch_the_world_cannot_produce
+
+        if batch := batch_the_world_cannot_produce(recipe, LintContext(count, True)):
+            problems.append(Problem(f"the recipe with parameters on {count} GPUs: {batch}"))
 
     model = str(values.get("model_name_or_path", ""))
     if model.startswith(GATED_MODEL_PREFIXES) and "HF_TOKEN" not in secrets:
@@ -555,7 +573,9 @@ def cross_file_problems(workload: Mapping, workload_path: Path, model_config: st
     report_to = values.get("report_to")
     logs_to_mlflow = "mlflow" in (report_to if isinstance(report_to, list) else [report_to])
     recipe_experiment = values.get("mlflow_experiment_name")
-    if logs_to_mlflow and recipe_experiment and recipe_experiment != workload.get("experiment_name"):
+    experiment = workload.get("experiment_name")
+    if (logs_to_mlflow and recipe_experiment and recipe_experiment != experiment
+            and not _task_key_problems("experiment_name", experiment)):  # an invalid name has its own line
         problems.append(Problem(f"experiment_name {workload.get('experiment_name')!r} and the recipe's "
                                 f"mlflow_experiment_name {recipe_experiment!r} disagree: the runtime's run and ours would "
                                 "land in different experiments; set parameters.mlflow_experiment_name to experiment_name"))
@@ -581,10 +601,16 @@ def check_workload(path: str | Path, model_config: str | None = None) -> list[Pr
         return [Problem(f"not valid YAML: {err}".replace("\n", " "))]
     if not isinstance(workload, Mapping):
         return [Problem("a workload is a YAML mapping (experiment_name, compute, command, ...): see workloads/")]
-    problems = [Problem(p) for p in runtime_problems(workload)]
-    if "command" in workload and isinstance(workload.get("compute"), Mapping):
-        problems += cross_file_problems(workload, path, model_config)
-    return problems
+    sections = runtime_problems(workload)
+    problems = [Problem(p) for section in sections.values() for p in section]
+    # Ours read these sections: where one of them is broken, its own line says so and ours would only echo it.
+    if sections.get("parameters"):
+        return problems
+    launch_sections = ("command", "code_source", "env_variables", "secrets")
+    sound = {"compute": "compute" in workload and not sections.get("compute"),
+             "environment": not sections.get("environment"),
+             "launch": "command" in workload and not any(sections.get(key) for key in launch_sections)}
+    return problems + cross_file_problems(workload, path, model_config, sound)
 
 
 def format_problems(path: str | Path, problems: list[Problem]) -> list[str]:

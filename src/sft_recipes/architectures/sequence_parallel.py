@@ -4,8 +4,15 @@ The ``N`` ranks of a sequence-parallel (SP) group share one packed block: each e
 and runs the MLPs on a contiguous ``1/N`` of its tokens. Around every token-mixing operation an
 all-to-all turns the rank's ``[B, L/N, H, D]`` (all heads, its tokens) into ``[B, L, H/N, D]`` (its
 heads, the whole block), the operation runs over the whole block with the block's own boundaries,
-and the inverse all-to-all brings the result back. Both directions are ``torch.distributed.nn``'s
-autograd all-to-all, whose backward is the inverse exchange.
+and the inverse all-to-all brings the result back. Both directions are ``_Exchange``, an autograd
+``all_to_all_single`` whose backward is the inverse exchange.
+
+Trap (torch 2.13): ``torch.distributed.nn.functional.all_to_all`` on gloo runs as one ``dist.scatter``
+per source with ``src=`` the source's rank *within the group*, where ``scatter`` expects a global rank:
+only a group holding ranks 0..N-1 works; any other group fails with ``Global rank 0 is not part of
+group`` (or, worse, would name a wrong rank). ``torch.distributed.nn``'s autograd ``all_gather``
+backward on gloo goes through that same all-to-all. Its NCCL path calls ``dist.all_to_all`` (and the
+all_gather backward ``reduce_scatter``) with ``group=``, right for any group; ours is right for both.
 
 Where it hooks into transformers 5.23 (``models/{llama,qwen3_5,gpt_oss}/modeling_*.py``):
 
@@ -47,7 +54,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_gather, all_to_all
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt_oss import modeling_gpt_oss
@@ -190,21 +196,68 @@ def check_sequence_parallel_size(text_config: Any, sp_size: int) -> None:
 # --- the exchange ---------------------------------------------------------------------------------
 
 
+class _Exchange(torch.autograd.Function):
+    """Rank ``r`` of ``group`` sends ``pieces[j]`` to rank ``j`` and returns what each rank sent it, in rank order.
+
+    Pieces are of one shape. The backward is the same exchange of the gradients, back to where each
+    piece came from. ``all_to_all_single`` with ``group=`` is right for any subgroup on gloo and NCCL.
+    """
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup, *pieces: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        return _exchange(torch.stack(pieces), group)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[Any, ...]:
+        return (None, *_exchange(torch.stack(grads), ctx.group))
+
+
+def _exchange(stacked: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, ...]:
+    assert stacked.shape[0] == dist.get_world_size(group), "one piece per rank of the group"
+    received = torch.empty_like(stacked)
+    dist.all_to_all_single(received, stacked.contiguous(), group=group)
+    return received.unbind(0)
+
+
+def exchange(pieces: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[torch.Tensor, ...]:
+    """Autograd all-to-all over ``group``: piece ``j`` to rank ``j``; what rank ``j`` sent comes back at ``j``."""
+    return _Exchange.apply(group, *pieces)
+
+
+class _GatherChunks(torch.autograd.Function):
+    """Every rank's ``chunk`` of ``group``, in rank order; the backward sums each chunk's gradients from every rank."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup, chunk: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        gathered = [torch.empty_like(chunk) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, chunk.contiguous(), group=group)
+        return tuple(gathered)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[Any, ...]:
+        # Rank j's gradient for my chunk arrives at position j: a reduce-scatter gloo lacks, as an exchange.
+        return None, torch.stack(_exchange(torch.stack(grads), ctx.group)).sum(0)
+
+
+def gather_chunks(chunk: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, ...]:
+    return _GatherChunks.apply(group, chunk)
+
+
 def seq_to_heads(
     x: torch.Tensor, group: dist.ProcessGroup, seq_dim: int, head_dim: int, heads_per_rank: list[list[int]]
 ) -> torch.Tensor:
     """The rank's token chunk of all heads -> the whole block of its heads (``heads_per_rank[rank]``)."""
     index = [torch.tensor(heads, device=x.device) for heads in heads_per_rank]
-    outgoing = [x.index_select(head_dim, heads).contiguous() for heads in index]
-    incoming = all_to_all([torch.empty_like(piece) for piece in outgoing], outgoing, group=group)
+    incoming = exchange([x.index_select(head_dim, heads) for heads in index], group)
     # Source ranks hold consecutive chunks, so stacking what they sent gives the block in order.
     return torch.cat(incoming, dim=seq_dim)
 
 
 def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, seq_dim: int, head_dim: int) -> torch.Tensor:
     """The whole block of the rank's heads -> the rank's token chunk of every rank's heads, in rank order."""
-    outgoing = [chunk.contiguous() for chunk in x.chunk(dist.get_world_size(group), dim=seq_dim)]
-    incoming = all_to_all([torch.empty_like(piece) for piece in outgoing], outgoing, group=group)
+    incoming = exchange(list(x.chunk(dist.get_world_size(group), dim=seq_dim)), group)
     return torch.cat(incoming, dim=head_dim)
 
 
@@ -386,8 +439,8 @@ def _sequence_parallel_load_balancing(balance: Callable, group: dist.ProcessGrou
         if attention_mask is not None:
             raise ValueError("Sequence parallelism balances experts over packed blocks: pass no attention_mask.")
         # The balance is a product of per-expert means over the block's tokens, not a sum over chunks: every
-        # rank takes it over the whole block. all_gather's backward sums the ranks' gradients into each chunk.
-        gate_logits = tuple(torch.cat(all_gather(layer.contiguous(), group=group), dim=0) for layer in gate_logits)
+        # rank takes it over the whole block. The gather's backward sums the ranks' gradients into each chunk.
+        gate_logits = tuple(torch.cat(gather_chunks(layer, group), dim=0) for layer in gate_logits)
         return balance(gate_logits, num_experts, top_k, None)
 
     return _marked(load_balancing_loss_func, balance)

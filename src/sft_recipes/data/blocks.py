@@ -228,6 +228,21 @@ class StreamStats:
                 "blocks (the data report counts each conversation whole when read, the last one read included)")
 
 
+def reader_index(rank: int, ranks: int, worker: int) -> int:
+    """Which of the `ranks x workers` readers (and shards) the dataloader worker `worker` of `rank` is.
+
+    Rank r's i-th micro-batch comes from its worker i % workers (torch's DataLoader takes the
+    workers' batches in turn), and every optimizer step takes the next `accumulation` micro-batches
+    of every rank. Numbering global micro-batches n = i * ranks + r, step s takes n in
+    [s * G/b, (s + 1) * G/b) on any layout with the global batch G of b-block micro-batches; the
+    reader `worker * ranks + rank` is then n % readers and serves it as its (n // readers)-th. So
+    which block of which reader a step trains on depends on the reader count only: 2 ranks x 2
+    workers, 1 x 4 and 4 x 1 train the same blocks at every step, and resume each other exactly.
+    (`rank * workers + worker` read the same shards in another order on each layout.)
+    """
+    return worker * ranks + rank
+
+
 class RankLocalBlockStream(TorchIterableDataset):
     """This rank's shard of a conversation dataset as an endless stream of packed blocks.
 
@@ -260,7 +275,8 @@ class RankLocalBlockStream(TorchIterableDataset):
         """The conversations of this (rank, dataloader worker) reader."""
         worker = get_worker_info()
         index, count = (worker.id, worker.num_workers) if worker is not None else (0, 1)
-        return split_dataset_by_node(self.dataset, rank=self.rank * count + index, world_size=self.world_size * count)
+        return split_dataset_by_node(self.dataset, rank=reader_index(self.rank, self.world_size, index),
+                                     world_size=self.world_size * count)
 
     def _tokenized(self, pending: StreamStats) -> Iterator[dict[str, list[int]]]:
         # `.iter()` (unlike `__iter__`) does not split the shard again among dataloader workers.

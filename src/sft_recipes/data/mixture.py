@@ -104,8 +104,9 @@ def check_data_sources(data_args) -> None:
             problems.append("eval_datasets: `fraction` is not used for eval (every eval row counts); remove it")
         if data_args.pack_blocks and (key == "eval_datasets" or data_args.datasets):  # one dataset: the linter's
             problems += [f"{key}: {source.label} has dataset_format {source.dataset_format!r}; pack_blocks packs "
-                         f"chat conversations ({' or '.join(CHAT_FORMATS)}): set pack_blocks: false, or give "
-                         "this source as chat conversations"
+                         f"chat conversations ({' or '.join(CHAT_FORMATS)}): set pack_blocks: false, or "
+                         + ("dataset_format: alpaca_chat on this source (its rows as chat conversations)"
+                            if source.dataset_format == "alpaca" else "give this source as chat conversations")
                          for source in sources if source.dataset_format not in CHAT_FORMATS]
         problems += [f"{key}: {source.label} has dataset_format vision_messages: {need}" for source in sources
                      if FORMATS[source.dataset_format].vision for need in _vision_needs(data_args, key)]

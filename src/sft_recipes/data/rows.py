@@ -5,10 +5,16 @@ Each dropped row is counted under the first reason that applies:
 - `invalid_json`: a line of a local .jsonl file that is not a JSON object. Local .jsonl files are
   read line by line (`sources.py`), so one bad line is counted instead of failing the whole file
   (the `datasets` json loader rejects the file, and also any file whose column changes type).
+- `not_utf8`: a line of a local .jsonl file that is not valid UTF-8 (e.g. `café` written in
+  Latin-1). Decoding it anyway would train on U+FFFD replacement characters; a file that is mostly
+  not UTF-8 is refused up front, naming the encoding it looks like (`sources.refuse_another_encoding`).
 - `missing_field`, `not_a_string`, `empty_content`: a required field (alpaca `instruction` /
   `output`, `text`, `messages`, a message's `role` / `content`) is absent or null, is not a
   string (not a list, for `messages`), or is blank. alpaca `input` may be empty or absent, and
-  so may a system / developer message's content.
+  so may a system / developer message's content. An assistant reply may be empty too: what an
+  empty reply trains (its end of turn) and when a conversation of empty replies is dropped
+  (`empty_assistant_turns`) is the masking's one rule (`masking.py`, "Empty replies"), the same
+  for rows read up front, streamed rows and `--audit-data`.
 - `unknown_role`: a message role outside KNOWN_ROLES. `no_assistant_turn`: nothing to learn from.
 - `overlong`: longer than `max_length` tokens with `overlong_policy: drop`. With the default
   `truncate`, such rows keep their first `max_length` tokens and are counted as truncated; a row
@@ -23,6 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 INVALID_JSON = "invalid_json"
+NOT_UTF8 = "not_utf8"
 MISSING_FIELD = "missing_field"
 NOT_A_STRING = "not_a_string"
 EMPTY_CONTENT = "empty_content"
@@ -36,7 +43,7 @@ MISPLACED_IMAGE = "misplaced_image"
 MISSING_IMAGE = "missing_image"
 UNREADABLE_IMAGE = "unreadable_image"
 IMAGE_SIZE = "image_size"
-ROW_DROP_REASONS = (INVALID_JSON, MISSING_FIELD, NOT_A_STRING, EMPTY_CONTENT, UNKNOWN_ROLE, NO_ASSISTANT_TURN, OVERLONG,
+ROW_DROP_REASONS = (INVALID_JSON, NOT_UTF8, MISSING_FIELD, NOT_A_STRING, EMPTY_CONTENT, UNKNOWN_ROLE, NO_ASSISTANT_TURN, OVERLONG,
                     NO_TRAINABLE_TOKENS, IMAGE_COUNT_MISMATCH, MISPLACED_IMAGE, MISSING_IMAGE, UNREADABLE_IMAGE,
                     IMAGE_SIZE)
 
@@ -45,7 +52,8 @@ ROW_DROP_REASONS = (INVALID_JSON, MISSING_FIELD, NOT_A_STRING, EMPTY_CONTENT, UN
 ROW_PROBLEM = "row_problem"
 
 KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
-OPTIONAL_CONTENT_ROLES = ("system", "developer")
+# Roles whose content may be blank: an empty system prompt is a choice; an empty reply is the masking's to judge.
+OPTIONAL_CONTENT_ROLES = ("system", "developer", "assistant")
 
 
 def text_problem(value: Any, required: bool = True) -> str | None:
@@ -71,7 +79,7 @@ def messages_problem(messages: Any) -> str | None:
             return problem
         if message["role"] not in KNOWN_ROLES:
             return UNKNOWN_ROLE
-        # An empty system prompt is a choice; an empty question or reply is a broken row.
+        # An empty question is a broken row; an empty system prompt or reply is not (OPTIONAL_CONTENT_ROLES).
         problem = text_problem(message.get("content"), required=message["role"] not in OPTIONAL_CONTENT_ROLES)
         if problem or message.get("content") is None:
             return problem or MISSING_FIELD

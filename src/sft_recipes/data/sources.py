@@ -27,7 +27,7 @@ from datasets import Dataset, IterableDataset, load_dataset
 
 from sft_recipes.data.formats import FORMATS
 from sft_recipes.data.report import EXCERPT_CHARS, DataReport
-from sft_recipes.data.rows import INVALID_JSON, ROW_PROBLEM
+from sft_recipes.data.rows import INVALID_JSON, NOT_UTF8, ROW_PROBLEM
 from sft_recipes.errors import RecipeError
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ def load_raw_dataset(data_args) -> Dataset | IterableDataset:
                               "them, or give a Hub dataset id.")
         dataset = load_dataset(builder, data_files={split: str(path)}, split=split, streaming=data_args.dataset_streaming)
     elif path.is_dir():
+        if not getattr(data_args, "dataset_data_files", None):  # data_files chooses the files itself
+            refuse_directory_without_data(path / (getattr(data_args, "dataset_data_dir", None) or ""))
         dataset = load_dataset(str(path), split=split, streaming=data_args.dataset_streaming,
                                data_dir=getattr(data_args, "dataset_data_dir", None),
                                data_files=getattr(data_args, "dataset_data_files", None))
@@ -81,17 +83,123 @@ def refuse_missing_local_path(name: str, key: str = "dataset_name") -> None:
         raise RecipeError(f"Dataset file not found: {path} ({key}). Check the path relative to {Path.cwd()}.")
 
 
-def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str]]:
-    """(line number, row or None when the line is not a JSON object, the line) for each non-blank line."""
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
+@dataclass(frozen=True)
+class JsonlLine:
+    number: int
+    row: dict[str, Any] | None  # None: the line is not a JSON object (`problem` says why)
+    text: str  # the line; bytes that are not UTF-8 as \xNN escapes
+    problem: str | None  # INVALID_JSON, NOT_UTF8 or None
+
+
+# Row files `datasets` reads from a local folder (optionally compressed); README.md and hidden files are not rows.
+FOLDER_DATA_SUFFIXES = (".json", ".jsonl", ".ndjson", ".parquet", ".csv", ".tsv", ".arrow")
+COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+NOT_ROWS = ("README.md",)
+
+
+def _data_suffix(file: Path) -> str:
+    suffixes = file.suffixes
+    if suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
+        suffixes = suffixes[:-1]
+    return suffixes[-1] if suffixes else ""
+
+
+def refuse_directory_without_data(path: Path, key: str = "dataset_name") -> None:
+    """RecipeError unless the folder `path` holds row files only (FOLDER_DATA_SUFFIXES), at least one.
+
+    `datasets` fails an empty folder with its own EmptyDatasetError traceback, and reads a stray
+    file (notes.txt) as rows of another builder, which then lack the format's columns.
+    """
+    if not path.is_dir():
+        raise RecipeError(f"{path} ({key}) is not a folder inside the dataset folder: check dataset_data_dir.")
+    files = sorted(file.relative_to(path) for file in path.rglob("*")
+                   if file.is_file() and not any(part.startswith(".") for part in file.relative_to(path).parts)
+                   and file.name not in NOT_ROWS)
+    data = [file for file in files if _data_suffix(file) in FOLDER_DATA_SUFFIXES]
+    stray = [str(file) for file in files if file not in data]
+    kinds = "/".join(FOLDER_DATA_SUFFIXES)
+    if not data:
+        found = f"it holds {_listed(stray)}" if stray else "it is empty"
+        raise RecipeError(f"{path} ({key}) is a folder with no data file: {found}. Point {key} at a data file "
+                          f"(e.g. train.jsonl), or put the rows in {kinds} files in that folder.")
+    if stray:
+        raise RecipeError(f"{path} ({key}) is a folder of {len(data)} data file(s) ({_listed([str(f) for f in data])}) "
+                          f"and {_listed(stray)}, which are not rows ({kinds}): move them out of the folder, or "
+                          f"point {key} at the data file itself.")
+
+
+def _listed(names: list[str], shown: int = 5) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def read_jsonl(path: Path) -> Iterator[JsonlLine]:
+    """Each non-blank line of a .jsonl file, decoded as strict UTF-8 (a line that is not is a NOT_UTF8 drop)."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield JsonlLine(number, None, raw.decode("utf-8", errors="backslashreplace").rstrip("\r\n"), NOT_UTF8)
                 continue
             try:
                 row = json.loads(line)
             except ValueError:
                 row = None
-            yield number, row if isinstance(row, dict) else None, line.rstrip("\n")
+            row = row if isinstance(row, dict) else None
+            yield JsonlLine(number, row, line.rstrip("\r\n"), INVALID_JSON if row is None else None)
+
+
+LINES_SAMPLED_FOR_ENCODING = 1000
+
+
+def likely_encoding(sample: bytes) -> str:
+    """A guess at the encoding of bytes that are not UTF-8 text, for the refusal's fix."""
+    if sample.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in sample:  # JSON text never holds a NUL byte
+        return "UTF-16"
+    try:
+        sample.decode("cp1252")
+    except UnicodeDecodeError:
+        return "a legacy single- or multi-byte encoding (e.g. Latin-1, Shift_JIS, GBK)"
+    return "Latin-1 / Windows-1252 (cp1252)"
+
+
+def _utf8_text(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return b"\x00" not in raw  # valid UTF-8, but UTF-16's ASCII: each character followed by a NUL
+
+
+def refuse_another_encoding(path: Path, key: str = "dataset_name") -> None:
+    """RecipeError when `path` is UTF-16, or most of its first LINES_SAMPLED_FOR_ENCODING lines are not UTF-8.
+
+    A few such lines are dropped and counted (`not_utf8`, under max_dropped_share); a file that is
+    mostly not UTF-8 is in another encoding, and the fix is to convert it, not to drop it.
+    """
+    lines = not_utf8 = 0
+    undecodable = b""
+    with open(path, "rb") as handle:
+        for raw in handle:
+            if not raw.strip():
+                continue
+            lines += 1
+            if not _utf8_text(raw):
+                not_utf8 += 1
+                undecodable += raw[:4096] if len(undecodable) < 65536 else b""
+            if lines == LINES_SAMPLED_FOR_ENCODING:
+                break
+    if not lines or not_utf8 * 2 <= lines:
+        return
+    encoding = likely_encoding(undecodable)
+    source = {"UTF-16": "UTF-16", "Latin-1 / Windows-1252 (cp1252)": "cp1252"}.get(encoding, "ENCODING")
+    raise RecipeError(
+        f"{path} ({key}) is not UTF-8: {not_utf8} of its first {lines} lines cannot be decoded; it looks like "
+        f"{encoding}. Convert it to UTF-8, e.g. `iconv -f {source} -t UTF-8 {path} > {path.with_suffix('')}"
+        f".utf8.jsonl`, and point {key} at the converted file.")
 
 
 def _local_jsonl(data_args) -> Path | None:
@@ -133,9 +241,12 @@ class StreamedRowCheck:
         self.dataset_format = dataset_format
         self.dropped: Counter = Counter()
 
-    def problem(self, row: dict[str, Any] | None, where: str, line: str | None = None) -> str | None:
-        """Why the row is dropped (counted, and shown if it is the 1st, 10th, 100th... of its reason), or None."""
-        problem = INVALID_JSON if row is None else FORMATS[self.dataset_format].row_problem(row)
+    def problem(self, row: dict[str, Any] | None, where: str, line: str | None = None,
+                line_problem: str | None = INVALID_JSON) -> str | None:
+        """Why the row is dropped (counted, and shown if it is the 1st, 10th, 100th... of its reason), or None.
+
+        A row of None is a line that could not be read, for `line_problem`."""
+        problem = line_problem if row is None else FORMATS[self.dataset_format].row_problem(row)
         read = STREAM_READS.setdefault(self.source, Counter())  # looked up each time: training starts it afresh
         read[ROWS_READ] += 1
         if problem is None:
@@ -161,8 +272,9 @@ def _valid_jsonl_rows(path: str, dataset_format: str, mark_bad_rows: bool = Fals
     `mark_bad_rows`, yielded empty with their reason in ROW_PROBLEM), not fatal."""
     columns = FORMATS[dataset_format].columns
     check = StreamedRowCheck(path, dataset_format)
-    for number, row, line in read_jsonl(Path(path)):
-        problem = check.problem(row, f"line {number}", line)
+    for line in read_jsonl(Path(path)):
+        row = line.row
+        problem = check.problem(row, f"line {line.number}", line.text, line.problem)
         if problem is None:
             yield {column: row.get(column) for column in columns} | ({ROW_PROBLEM: None} if mark_bad_rows else {})
         elif mark_bad_rows:  # its values stay behind: a wrongly typed one would break Arrow
@@ -188,15 +300,16 @@ def _checked_jsonl(path: Path, data_args) -> tuple[Dataset, DataReport]:
     fmt = FORMATS[data_args.dataset_format]
     report = DataReport(source=str(path))
     rows, seen_columns = [], set()
-    for number, row, line in read_jsonl(path):
+    for line in read_jsonl(path):
         report.rows += 1
+        row = line.row
         if row is None:
-            report.drop(INVALID_JSON, f"line {number}", line)
+            report.drop(line.problem, f"line {line.number}", line.text)
             continue
         seen_columns |= row.keys()
         problem = fmt.row_problem(row)
         if problem:
-            report.drop(problem, f"line {number}", row)
+            report.drop(problem, f"line {line.number}", row)
             continue
         rows.append(fmt.stored_row(row))
     fmt.check_columns(sorted(seen_columns), data_args.dataset_name)
@@ -217,6 +330,7 @@ def load_checked_dataset(data_args, mark_bad_rows: bool = False) -> tuple[Datase
     """
     local = _local_jsonl(data_args)
     if local is not None:
+        refuse_another_encoding(local)
         if data_args.dataset_streaming:
             return _streamed_jsonl(local, data_args, mark_bad_rows)
         return _checked_jsonl(local, data_args)

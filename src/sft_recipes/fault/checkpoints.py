@@ -29,6 +29,7 @@ from transformers import TrainerCallback
 
 from sft_recipes.batching import global_batch_sequences
 from sft_recipes.fault.agreement import barrier
+from sft_recipes.hsdp import launched_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -88,10 +89,12 @@ def newest_complete_checkpoint(output_dir: str | os.PathLike) -> Checkpoint | No
     return max(complete, key=lambda checkpoint: checkpoint.completed_at, default=None)
 
 
-def training_layout(training_args) -> dict[str, int]:
-    """The layout a checkpoint was written on: what a resume on another world size is checked against."""
+def training_layout(training_args) -> dict[str, int | str]:
+    """The layout a checkpoint was written on: what a resume on another world size is checked against (the
+    data-parallel mesh only said: DCP reshards between HSDP, flat FSDP and one process)."""
     return {"world_size": training_args.world_size, "dataloader_num_workers": training_args.dataloader_num_workers,
-            "global_batch_sequences": global_batch_sequences(training_args)}
+            "global_batch_sequences": global_batch_sequences(training_args),
+            "data_parallel_mesh": launched_mesh(training_args.world_size).describe()}
 
 
 def write_marker(checkpoint_dir: Path, step: int, fingerprint: str, identity: dict[str, Any],

@@ -19,7 +19,10 @@ Random streams (dropout) are per rank (`rng_state_<rank>.pth`) and do not map on
 Packed block streams: each (rank, dataloader worker) reader streams its own shard, and a resume
 skips, per reader, what that reader had read. Another number of readers cuts other shards, so a
 resume is refused unless ranks x max(1, dataloader_num_workers) is unchanged; layouts with the
-same reader count (2 ranks x 2 workers, 4 ranks x 1 worker) resume exactly.
+same reader count (1 x 4, 2 x 2, 4 x 1) resume exactly because readers are numbered so that every
+step takes the same blocks of the same readers on each of them (`data.blocks.reader_index`;
+numbered `rank x workers + worker`, 2 x 2 and 1 x 4 read the readers in another order whenever a
+step took fewer blocks than there are readers).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch.utils.data import RandomSampler
 from sft_recipes.batching import global_batch_sequences
 from sft_recipes.errors import RecipeError
 from sft_recipes.fault.checkpoints import read_checkpoint
+from sft_recipes.hsdp import launched_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -104,17 +108,16 @@ def refuse_another_training_layout(checkpoint: str, training_args) -> None:
             f"{marker['world_size']} process(es)")
 
 
-def world_size_at_checkpoint(checkpoint: str | None) -> int | None:
-    """The world size that wrote `checkpoint`, None for a fresh run or a marker without it."""
-    found = read_checkpoint(Path(checkpoint)) if checkpoint else None
-    return found.marker.get("world_size") if found and found.marker else None
-
-
 def log_world_size_change(checkpoint: str, training_args) -> int | None:
-    """Say what a resume on another world size keeps; return the checkpoint's world size."""
-    then = world_size_at_checkpoint(checkpoint)
-    if then is not None and then != training_args.world_size and training_args.process_index == 0:
-        logger.warning("resuming %s, written on %d process(es), on %d: model and optimizer state are resharded "
-                       "(DCP), the data continues at the same row; per-rank random streams (dropout) do not carry "
-                       "over", checkpoint, then, training_args.world_size)
+    """Say what a resume on another world size or data-parallel mesh (HSDP <-> flat FSDP) keeps; return the
+    checkpoint's world size."""
+    found = read_checkpoint(Path(checkpoint))
+    marker = (found.marker if found else None) or {}
+    then, mesh_then = marker.get("world_size"), marker.get("data_parallel_mesh")
+    mesh_now = launched_mesh(training_args.world_size).describe()
+    moved = (then is not None and then != training_args.world_size) or (mesh_then not in (None, mesh_now))
+    if moved and training_args.process_index == 0:
+        logger.warning("resuming %s, written on %s, on %s: model and optimizer state are resharded (DCP), the data "
+                       "continues at the same row; per-rank random streams (dropout) do not carry over", checkpoint,
+                       mesh_then or f"{then} process(es)", mesh_now)
     return then

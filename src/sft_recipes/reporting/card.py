@@ -56,6 +56,18 @@ class CardFacts:
     license: str | None = None
     hub_model_id: str | None = None
     extra_tags: list[str] = field(default_factory=list)
+    stand_in_note: str | None = None  # a tiny random stand-in (`tiny:llama`): its outputs are meaningless
+
+    @property
+    def title(self) -> str:
+        """The Hub id when pushed, else the model actually trained and its recipe: `tiny:llama SFT
+        (recipes/tiny/llama8b.yaml)`, never the recipe's name alone (the tiny twin's is its real recipe's)."""
+        if self.hub_model_id:
+            return self.hub_model_id
+        recipe = Path(self.recipe_path)
+        if recipe.is_absolute() and recipe.is_relative_to(Path.cwd()):
+            recipe = recipe.relative_to(Path.cwd())
+        return f"{Path(self.base_model).name} SFT ({recipe.as_posix()})"
 
 
 def data_sources_from(sources: list[dict[str, Any]]) -> list[DataSource]:
@@ -110,13 +122,15 @@ def how_to_load(facts: CardFacts) -> str:
             + (f", revision={facts.base_revision!r}" if facts.base_revision else "") + ")\n"
             f"model = PeftModel.from_pretrained(base, {where!r})\n"
             f"tokenizer = AutoTokenizer.from_pretrained({where!r})\n```\n"
-            "This is a LoRA adapter (PEFT); `scripts/merge_lora.py` writes a merged model."
+            "This is a LoRA adapter (PEFT); from an sft-recipes checkout, "
+            "`.venv/bin/python scripts/merge_lora.py ADAPTER_DIR MERGED_DIR` writes a merged model."
         )
     return (
         "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
         f"model = AutoModelForCausalLM.from_pretrained({where!r})\n"
         f"tokenizer = AutoTokenizer.from_pretrained({where!r})\n```\n"
-        "A consolidated checkpoint (all weights); chat with it: `python scripts/chat.py OUTPUT_DIR`."
+        "A consolidated checkpoint (all weights); chat with it from an sft-recipes checkout: "
+        "`make chat OUT=OUTPUT_DIR` (or `.venv/bin/python scripts/chat.py OUTPUT_DIR`)."
     )
 
 
@@ -140,10 +154,11 @@ def build_model_card(facts: CardFacts) -> ModelCard:
 
     data_rows = "\n".join(f"| {s.name} | {s.revision or 'unpinned'} | {s.split or 'train'} | {share(s)} |"
                           for s in facts.data_sources)
-    tokens = f"{facts.tokens_seen:,}" if facts.tokens_seen else "n/a"
+    tokens = f"{facts.tokens_seen:,} (input tokens of the steps run, padding left out)" if facts.tokens_seen else "n/a"
+    note = f"\n> **Note:** {facts.stand_in_note}\n" if facts.stand_in_note else ""
     body = f"""
-# {facts.hub_model_id or Path(facts.recipe_path).stem}
-
+# {facts.title}
+{note}
 Supervised fine-tune of **{facts.base_model}** (revision `{facts.base_revision or 'unpinned'}`)
 as a {'LoRA adapter (PEFT)' if is_adapter else 'full model (consolidated checkpoint)'}, trained with
 TRL's SFTTrainer under FSDP2 by the sft-recipes recipe `{facts.recipe_path}`.

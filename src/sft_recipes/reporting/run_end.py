@@ -15,6 +15,7 @@ from sft_recipes.reporting.card import CardFacts, base_license, data_sources_fro
 from sft_recipes.reporting.export_check import ExportCheck
 from sft_recipes.reporting.hub import HubPush, push_export
 from sft_recipes.reporting.mlflow_artifacts import log_output_dir_artifacts
+from sft_recipes.reporting.samples import random_stand_in
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ def card_facts_for_run(recipe, state, model_path: str | Path, export_check: Expo
         final_train_loss=last_logged(state.log_history, "loss"),
         final_eval_loss=last_logged(state.log_history, "eval_loss"),
         license=base_license(model_path), hub_model_id=training.hub_model_id,
+        stand_in_note=random_stand_in(model.model_name_or_path),
     )
 
 

@@ -1,7 +1,11 @@
 """Sample generations before and after training, side by side in `output_dir/samples.md`.
 
-Greedy, at most `max_new_tokens`, each prompt a single user turn rendered with the tokenizer's chat
-template. How it stays cheap and hang-free under FSDP2:
+Greedy, at most `max_new_tokens`, each prompt a single user turn rendered in the prompt format the run
+trains (`prompt_style`): the chat template for chat formats, the alpaca seed's `### Instruction: ...
+### Response:` text for alpaca data, the bare text for text data; a model asked in a format it was
+not trained on answers in the one it was (every alpaca-trained answer began with `### Response:`).
+A tiny random stand-in (`tiny:...`) says so at the top of samples.md: its answers are noise by design.
+How it stays cheap and hang-free under FSDP2:
 
 - before training on accelerators (`BaseSamplesCallback`, at `on_train_begin` of a fresh run): every rank runs the
   same greedy loop on its FSDP-wrapped model in lockstep, all prompts in one batch (one forward call
@@ -77,10 +81,36 @@ def _user_turns(rows: Iterable[dict], dataset_format: str, count: int) -> list[s
     return turns
 
 
+# How a prompt is put to the model, by the prompt format its training data has.
+PROMPT_STYLES = {"chat": "chat template", "alpaca": "alpaca prompt `### Instruction: ... ### Response:`",
+                 "text": "the prompt as plain text"}
+
+
+def prompt_style(data_args) -> str:
+    """The prompt format the run trains: "alpaca" or "text" when every training source has that format, else
+    "chat" (chat formats, alpaca_chat, or a mixture of styles: the chat template is the instruct model's own)."""
+    from sft_recipes.data.mixture import training_sources
+
+    formats = {source.dataset_format for source in training_sources(data_args)}
+    return formats.pop() if formats in ({"alpaca"}, {"text"}) else "chat"
+
+
 def sample_settings(recipe) -> dict[str, Any]:
-    """How a run generates its samples: `max_new_tokens` and the chat template's extra variables."""
-    return {"max_new_tokens": recipe.training.sample_max_new_tokens,
+    """How a run generates its samples: `max_new_tokens`, the prompt format it trains and the chat template's
+    extra variables."""
+    return {"max_new_tokens": recipe.training.sample_max_new_tokens, "style": prompt_style(recipe.data),
             "chat_template_kwargs": recipe.data.chat_template_kwargs}
+
+
+def random_stand_in(model_name_or_path: str) -> str | None:
+    """The note samples.md and scripts/show_run.py print for a tiny random stand-in (`tiny:llama`), else None."""
+    from sft_recipes.loading import TINY_SCHEME
+
+    if not str(model_name_or_path).startswith(TINY_SCHEME):
+        return None
+    return (f"{model_name_or_path} is a tiny randomly initialised stand-in: its answers are meaningless by design "
+            "(the run proves the machinery: data, FSDP2, checkpoints, export); run recipes/smollm2-135m.yaml "
+            "(`make demo-real`) for answers that mean something.")
 
 
 def answers_in_lockstep(training_args) -> bool:
@@ -101,6 +131,16 @@ def chat_prompt_ids(tokenizer, prompt: str, chat_template_kwargs: dict | None = 
     return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                               tokenize=True, return_dict=True,
                                               **(chat_template_kwargs or {}))["input_ids"])
+
+
+def prompt_ids(tokenizer, prompt: str, style: str = "chat", chat_template_kwargs: dict | None = None) -> list[int]:
+    """`prompt` as the run's training put such prompts to the model: alpaca and text rows are tokenized as TRL
+    tokenizes them (the tokenizer's own special tokens, e.g. Llama's bos, first)."""
+    if style == "chat":
+        return chat_prompt_ids(tokenizer, prompt, chat_template_kwargs)
+    from sft_recipes.data.formats import alpaca_prompt
+
+    return list(tokenizer(alpaca_prompt(prompt, None) if style == "alpaca" else prompt)["input_ids"])
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:
@@ -155,21 +195,25 @@ def greedy_generate(model, prompts_ids: list[list[int]], max_new_tokens: int, st
 
 
 def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                     in_lockstep: bool = False, chat_template_kwargs: dict | None = None) -> list[str]:
+                     in_lockstep: bool = False, chat_template_kwargs: dict | None = None, style: str = "chat"
+                     ) -> list[str]:
     if not prompts:
         return []
-    prompts_ids = [chat_prompt_ids(tokenizer, prompt, chat_template_kwargs) for prompt in prompts]
+    prompts_ids = [prompt_ids(tokenizer, prompt, style, chat_template_kwargs) for prompt in prompts]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     generated = greedy_generate(model, prompts_ids, max_new_tokens, stop_token_ids(model, tokenizer), pad_id,
                                 in_lockstep)
     return [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in generated]
 
 
-def samples_markdown(prompts: list[str], before: list[str] | None, after: list[str]) -> str:
+def samples_markdown(prompts: list[str], before: list[str] | None, after: list[str], style: str = "chat",
+                     stand_in_note: str | None = None) -> str:
     def quoted(text: str) -> str:
         return "\n".join(f"> {line}" for line in (text or "(empty)").splitlines()) or "> (empty)"
 
-    parts = ["# Sample generations (greedy, chat template)\n"]
+    parts = [f"# Sample generations (greedy, {PROMPT_STYLES[style]})\n"]
+    if stand_in_note:
+        parts.append(f"**Note:** {stand_in_note}\n")
     for index, prompt in enumerate(prompts):
         parts.append(f"## {index + 1}. Prompt\n\n{quoted(prompt)}\n")
         base_answer = quoted(before[index]) if before else "> (not generated)"
@@ -179,9 +223,9 @@ def samples_markdown(prompts: list[str], before: list[str] | None, after: list[s
 
 
 def timed_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, in_lockstep: bool = False,
-                  chat_template_kwargs: dict | None = None) -> list[str]:
+                  chat_template_kwargs: dict | None = None, style: str = "chat") -> list[str]:
     started = time.perf_counter()
-    answers = generate_answers(model, tokenizer, prompts, max_new_tokens, in_lockstep, chat_template_kwargs)
+    answers = generate_answers(model, tokenizer, prompts, max_new_tokens, in_lockstep, chat_template_kwargs, style)
     logger.info("base model answered %d sample prompt(s) in %.1fs", len(answers), time.perf_counter() - started)
     return answers
 
@@ -192,12 +236,13 @@ def save_base_answers(output_dir: str | Path, prompts: list[str], answers: list[
 
 
 def write_base_samples(output_dir: str | Path, prompts: list[str], model, tokenizer,
-                       max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, chat_template_kwargs: dict | None = None) -> None:
+                       max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, chat_template_kwargs: dict | None = None,
+                       style: str = "chat") -> None:
     """Rank 0, on the loaded base model before any sharding; kept when a resumed run finds it already written."""
     if (Path(output_dir) / BEFORE_FILE).is_file() or not prompts:
         return
     save_base_answers(output_dir, prompts, timed_answers(model, tokenizer, prompts, max_new_tokens,
-                                                         chat_template_kwargs=chat_template_kwargs))
+                                                         chat_template_kwargs=chat_template_kwargs, style=style))
 
 
 class BaseSamplesCallback(TrainerCallback):
@@ -208,31 +253,34 @@ class BaseSamplesCallback(TrainerCallback):
     """
 
     def __init__(self, prompts: list[str], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                 chat_template_kwargs: dict | None = None) -> None:
+                 chat_template_kwargs: dict | None = None, style: str = "chat") -> None:
         self.prompts = prompts
         self.max_new_tokens = max_new_tokens
         self.chat_template_kwargs = chat_template_kwargs
+        self.style = style
 
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
         if state.global_step > 0 or not self.prompts:
             return
         answers = timed_answers(model, processing_class, self.prompts, self.max_new_tokens,
                                 in_lockstep=dist.is_initialized() and dist.get_world_size() > 1,
-                                chat_template_kwargs=self.chat_template_kwargs)
+                                chat_template_kwargs=self.chat_template_kwargs, style=self.style)
         if state.is_world_process_zero:
             save_base_answers(args.output_dir, self.prompts, answers)
 
 
 def write_samples(output_dir: str | Path, prompts: list[str], model, tokenizer,
-                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, chat_template_kwargs: dict | None = None) -> Path:
+                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, chat_template_kwargs: dict | None = None,
+                  style: str = "chat", stand_in_note: str | None = None) -> Path:
     """Rank 0, after the export check: the reloaded export's answers beside the base's, into samples.md."""
     output_dir = Path(output_dir)
-    after = generate_answers(model, tokenizer, prompts, max_new_tokens, chat_template_kwargs=chat_template_kwargs)
+    after = generate_answers(model, tokenizer, prompts, max_new_tokens, chat_template_kwargs=chat_template_kwargs,
+                             style=style)
     before_file = output_dir / BEFORE_FILE
     before = None
     if before_file.is_file():
         saved = json.loads(before_file.read_text())
         before = saved["answers"] if saved["prompts"] == prompts else None
     path = output_dir / SAMPLES_FILE
-    path.write_text(samples_markdown(prompts, before, after))
+    path.write_text(samples_markdown(prompts, before, after, style, stand_in_note))
     return path

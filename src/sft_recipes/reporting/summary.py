@@ -17,6 +17,7 @@ class RunSummaryCallback(TrainerCallback):
         self.tracking_uri = tracking_uri  # MLflow's, when the run reports there
         self.overrides = overrides or {}  # Recipe.overrides: the keys each source (parameters, command line) set
         self.losses: dict[int, float] = {}
+        self.grad_norms: dict[int, float] = {}  # the norm clipped against: over the whole mesh
         self.first_step: int | None = None
         self.last_step = 0
         self._step_started = 0.0
@@ -26,6 +27,7 @@ class RunSummaryCallback(TrainerCallback):
         self.world_size = 1
         self.world_size_at_checkpoint: int | None = None  # set before training when resuming
         self.eval_losses: dict[int, float] = {}
+        self.tokens_seen: int | None = None  # input tokens of every step so far (the Trainer's count, resumes included)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.world_size = args.world_size
@@ -52,6 +54,7 @@ class RunSummaryCallback(TrainerCallback):
         if self.first_step is None:
             self.first_step = state.global_step
         self.last_step = state.global_step
+        self.tokens_seen = state.num_input_tokens_seen or None
         if state.global_step >= state.max_steps:  # the final step's loss is always logged, whatever logging_steps
             control.should_log = True
         return control
@@ -60,6 +63,8 @@ class RunSummaryCallback(TrainerCallback):
         step = state.global_step if step is None else step  # `step`: an entry of the checkpoint's log_history
         if logs and "loss" in logs:
             self.losses[step] = float(logs["loss"])
+        if logs and "grad_norm" in logs:
+            self.grad_norms[step] = float(logs["grad_norm"])
         if logs and "eval_loss" in logs:
             self.eval_losses[step] = float(logs["eval_loss"])
         for key in ("packing_efficiency", "tokens_per_second_per_device", "mfu", "peak_memory_gib"):
@@ -78,8 +83,10 @@ class RunSummaryCallback(TrainerCallback):
             "world_size_at_checkpoint": self.world_size_at_checkpoint,  # null: fresh, or an older marker
             "train_seconds": round(train_seconds, 3),
             "seconds_per_step": round(sum(self.step_seconds) / steps_run, 4) if steps_run else None,
+            "tokens_seen": self.tokens_seen,
             "final_loss": self.losses[max(self.losses)] if self.losses else None,
             "losses": {str(step): loss for step, loss in sorted(self.losses.items())},
+            "grad_norms": {str(step): norm for step, norm in sorted(self.grad_norms.items())},
             "eval_loss": self.eval_losses[max(self.eval_losses)] if self.eval_losses else None,
             "eval_losses": {str(step): loss for step, loss in sorted(self.eval_losses.items())},
             "packing_efficiency": self.last_metrics.get("packing_efficiency"),

@@ -2,11 +2,25 @@
 
 transformers' MLflowCallback does the logging (rank 0 only) and reads MLFLOW_TRACKING_URI,
 MLFLOW_EXPERIMENT_NAME and MLFLOW_RUN_ID; we only give them defaults and add the recipe's own keys.
+
+An injected MLFLOW_RUN_ID (Databricks AI Runtime creates the run in the workload's experiment_name and
+sets it, with a Databricks tracking URI; a retry of the workload gets the same one): rank 0 logs into
+that run, and `mlflow.start_run` resumes it (status back to RUNNING) -- no second run. Two traps,
+checked by `check_injected_mlflow_run` before anything loads, on every rank:
+- transformers calls `mlflow.set_experiment(MLFLOW_EXPERIMENT_NAME)` before `start_run`, and MLflow
+  refuses to resume a run of another experiment ("active experiment ID does not match environment run
+  ID") -- at the first step, after the model loaded. So with a run id the recipe's
+  mlflow_experiment_name is not exported (the run's experiment wins, said on rank 0 when they differ),
+  and an MLFLOW_EXPERIMENT_NAME that names another experiment is refused;
+- a run id the store does not hold (or a deleted run) failed the same late way; refused now.
+A retry re-logs the steps after its checkpoint (MLflow keeps both values of those steps), and a
+param must keep its value in one run: what a retry may change is logged as tags (summary.py).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -14,6 +28,9 @@ from typing import Any
 from transformers import TrainerCallback
 
 from sft_recipes.data.report import DataReport, MixtureReport
+from sft_recipes.errors import RecipeError
+
+logger = logging.getLogger("sft")
 
 DEFAULT_STORE = "mlruns.db"
 SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "DATABRICKS_TOKEN", "MLFLOW_TRACKING_TOKEN")
@@ -23,16 +40,53 @@ def mlflow_enabled(training_args) -> bool:
     return "mlflow" in (training_args.report_to or [])
 
 
+def tracking_uri() -> str:
+    """MLFLOW_TRACKING_URI, else the local sqlite store in the working directory."""
+    # The skinny client reads a local sqlite store (with sqlalchemy + alembic); the plain file
+    # store is deprecated and refused unless MLFLOW_ALLOW_FILE_STORE is set.
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(DEFAULT_STORE).resolve()}"
+
+
 def configure_mlflow(training_args, experiment_name: str | None) -> str | None:
     """Set default tracking URI / experiment in the environment; return the URI in use."""
     if not mlflow_enabled(training_args):
         return None
-    # The skinny client reads a local sqlite store (with sqlalchemy + alembic); the plain file
-    # store is deprecated and refused unless MLFLOW_ALLOW_FILE_STORE is set.
-    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{Path(DEFAULT_STORE).resolve()}")
-    if experiment_name:
+    os.environ["MLFLOW_TRACKING_URI"] = tracking_uri()
+    if experiment_name and not os.environ.get("MLFLOW_RUN_ID"):  # an injected run's experiment wins
         os.environ.setdefault("MLFLOW_EXPERIMENT_NAME", experiment_name)
     return os.environ["MLFLOW_TRACKING_URI"]
+
+
+def check_injected_mlflow_run(training_args, experiment_name: str | None, is_main: bool) -> None:
+    """With MLFLOW_RUN_ID set: refuse a run the store does not hold, or an MLFLOW_EXPERIMENT_NAME of another
+    experiment; say (rank 0) when the recipe's mlflow_experiment_name is not the run's experiment."""
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    if not run_id or not mlflow_enabled(training_args):
+        return
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    uri = tracking_uri()
+    client = MlflowClient(uri)
+    try:
+        run = client.get_run(run_id)
+        experiment = client.get_experiment(run.info.experiment_id).name
+    except MlflowException as err:
+        raise RecipeError(f"MLFLOW_RUN_ID={run_id} is not a run of the MLflow store {uri} "
+                          f"({err.message.splitlines()[0]}): unset MLFLOW_RUN_ID to start a new run, or set "
+                          "MLFLOW_TRACKING_URI to the store that holds it.") from None
+    if run.info.lifecycle_stage == "deleted":
+        raise RecipeError(f"MLFLOW_RUN_ID={run_id} is a deleted run in {uri}: restore it, or unset MLFLOW_RUN_ID.")
+    exported = os.environ.get("MLFLOW_EXPERIMENT_NAME")
+    if exported and exported != experiment:
+        raise RecipeError(f"MLFLOW_RUN_ID={run_id} is a run of experiment '{experiment}' but MLFLOW_EXPERIMENT_NAME is "
+                          f"'{exported}', and MLflow logs a run only in its own experiment: unset "
+                          "MLFLOW_EXPERIMENT_NAME, or make it the run's (on AI Runtime: the workload's "
+                          "experiment_name).")
+    if is_main and experiment_name and experiment_name != experiment:
+        logger.warning("MLflow: logging into MLFLOW_RUN_ID=%s of experiment '%s'; the recipe's mlflow_experiment_name "
+                       "'%s' is not used (make the workload's experiment_name and the recipe's the same to silence "
+                       "this)", run_id, experiment, experiment_name)
 
 
 def redact(values: dict[str, Any]) -> dict[str, Any]:

@@ -5,14 +5,18 @@
     model = build_model(run)                      # model.py: load, freeze a VLM tower, packing fixes, LoRA, guards
     training = build_trainer(run, data, model, tokenizer)   # training.py: every callback wired inside
     training.run()                                # resume policy, timing
-    finish(run, training)                         # finish.py: export, check, summary
+    result = finish(run, training)                # finish.py: export, check, summary -> RunResult
+
+`complete_run(run)` (complete.py) is every step after `start_run`, shared by scripts/sft.py and
+`sft_recipes.train()` (python_api.py).
 """
 
+from sft_recipes.run.complete import complete_run
 from sft_recipes.run.data import RunData, audit_data, build_data
-from sft_recipes.run.finish import finish
+from sft_recipes.run.finish import RunResult, earlier_result, finish
 from sft_recipes.run.model import RunModel, build_model
 from sft_recipes.run.setup import Run, start_run
 from sft_recipes.run.training import Training, build_trainer
 
-__all__ = ["Run", "RunData", "RunModel", "Training", "audit_data", "build_data", "build_model", "build_trainer",
-           "finish", "start_run"]
+__all__ = ["Run", "RunData", "RunModel", "RunResult", "Training", "audit_data", "build_data", "build_model",
+           "build_trainer", "complete_run", "earlier_result", "finish", "start_run"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -12,10 +13,14 @@ from sft_recipes.data.formats import FORMATS, DatasetFormat, Tokenization
 from sft_recipes.data.mixture import has_images
 from sft_recipes.distributed import enable_cpu_fsdp, launched_world_size
 from sft_recipes.fault.collective_timeout import bound_collective_waits
+from sft_recipes.fault.output_disk import refuse_unwritable_output_dir
 from sft_recipes.fault.resume import nothing_left_to_train, protect_output_dir, resolve_resume_checkpoint
+from sft_recipes.hsdp import launched_mesh
 from sft_recipes.lint import LintContext, lint_recipe
 from sft_recipes.loading import ModelSource
+from sft_recipes.reporting.console import keep_train_log, open_train_log, quiet_other_ranks
 from sft_recipes.reporting.hub import HubPush, take_over_hub_push
+from sft_recipes.reporting.tracking import check_injected_mlflow_run
 from sft_recipes.run.sequence_parallel import SequenceParallel, start_sequence_parallel
 
 logger = logging.getLogger("sft")
@@ -76,8 +81,13 @@ def start_run(recipe: Recipe, read_only: bool = False) -> Run:
 
     `read_only` (`--audit-data`): output_dir is neither tidied nor resumed from, so an audit reads the data
     the same way before, during and after a run, whatever the checkpoints there were trained on."""
+    quiet_other_ranks()  # one set of progress bars, rank 0's
+    if not read_only:
+        open_train_log(recipe.training.output_dir)  # output_dir/train.log: rank 0's console, every rank's refusal
     source = ModelSource(recipe.model)
     lint_recipe(recipe, LintContext.from_environment(lambda: source.config))
+    check_injected_mlflow_run(recipe.training, recipe.model.mlflow_experiment_name,  # a run MLflow would refuse late
+                              is_main=os.environ.get("RANK", "0") == "0")
     training = recipe.training
     hub_push = take_over_hub_push(training)  # before the Trainer exists; a missing id or token refused now
     training.gradient_accumulation_steps, derivation = derive_gradient_accumulation(training, launched_world_size())
@@ -85,6 +95,7 @@ def start_run(recipe: Recipe, read_only: bool = False) -> Run:
     bound_collective_waits(training)  # a dead or hung rank fails the others within ddp_timeout
     resume_from = None
     if not read_only:
+        refuse_unwritable_output_dir(training.output_dir)  # before any data or model work
         protect_output_dir(recipe, training)  # never mix two recipes' checkpoints
         resume_from = resolve_resume_checkpoint(training)  # refuses a layout the checkpoint cannot continue on
         finished = nothing_left_to_train(resume_from, training)
@@ -93,12 +104,15 @@ def start_run(recipe: Recipe, read_only: bool = False) -> Run:
                 print(finished, flush=True)
             return Run(recipe=recipe, source=source, batch_derivation=derivation, resume_from=resume_from,
                        finished=finished)
+    if not read_only:
+        keep_train_log()  # this run trains: its console from the start into train.log
     with training.main_process_first(local=False, desc="model files"):
         source.ensure_files()  # a tiny stand-in is built once, by the main process
     run = Run(recipe=recipe, source=source, batch_derivation=derivation, resume_from=resume_from, hub_push=hub_push,
               sequence_parallel=start_sequence_parallel(recipe))  # the process group exists by now
     if run.is_main:
-        logger.info("recipe %s -> output_dir %s; %s", recipe.source, training.output_dir, derivation)
+        logger.info("recipe %s -> output_dir %s; %s; %s", recipe.source, training.output_dir, derivation,
+                    launched_mesh(training.world_size).describe())
         for source, values in recipe.overrides.items():  # which keys the workload's parameters / the caller set
             logger.info("overrides from %s: %s", source, ", ".join(f"{key}={value!r}" for key, value in values.items()))
     return run

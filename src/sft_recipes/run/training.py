@@ -12,7 +12,9 @@ from sft_recipes.evaluation import evaluated_at_last_step
 from sft_recipes.fault import fault_tolerance_callbacks
 from sft_recipes.fault.resume import recipe_identity
 from sft_recipes.fault.world_size import log_world_size_change
+from sft_recipes.hsdp import MeshCheck, launched_mesh
 from sft_recipes.metrics import ThroughputMeter
+from sft_recipes.reporting.console import use_step_lines
 from sft_recipes.reporting.curves import TrainingCurvesCallback
 from sft_recipes.reporting.samples import BaseSamplesCallback, answers_in_lockstep, sample_settings, write_base_samples
 from sft_recipes.reporting.summary import RunSummaryCallback
@@ -80,7 +82,10 @@ def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Traini
                    DataReportCallback(data.report, counted_while_training=data.counted_while_training),
                    *fault_tolerance_callbacks(training_args, recipe_identity(recipe)), *reporting],
     )
+    use_step_lines(trainer)  # one compact console line per log, not transformers' dict
     layout = verify_distributed(trainer)
+    if trainer.is_fsdp_enabled:  # the model is sharded in train(): checked, and its mesh logged, at its start
+        trainer.add_callback(MeshCheck(launched_mesh(training_args.world_size)))
     set_fsdp_reduce_dtype(trainer, training_args.fsdp_reduce_dtype)
     if run.is_main:
         logger.info("distributed: %s; throughput: %s", layout, throughput.describe())
