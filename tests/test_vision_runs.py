@@ -109,7 +109,7 @@ def test_bad_image_rows_are_counted_and_refused(tmp_path):
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     result = launch_sft(RECIPE, "--dataset_name", str(data), "--output_dir", str(tmp_path / "run"),
                         "--report_to", "none", nproc=1, check=False)
-    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.returncode != 0 and "exitcode  : 2" in result.stderr, result.stderr[-3000:]  # torchrun's report
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "30.00% of the rows are bad, more than max_dropped_share=0.05" in errors[0], errors
     report = re.search(r"dropped 3 \(30.00%: (.*?)\)", result.stdout + result.stderr)
