@@ -189,12 +189,15 @@ class _TrainLog:
             self._file.flush()
 
     def refused(self, line: str) -> None:
-        if self.rank == 0:
-            self.keep()  # the line itself came through the console
-        else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as log:
-                log.write(f"[rank {self.rank}] {line}\n")
+        try:
+            if self.rank == 0:
+                self.keep()  # the line itself came through the console
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.path, "a", encoding="utf-8") as log:
+                    log.write(f"[rank {self.rank}] {line}\n")
+        except OSError:
+            pass  # output_dir cannot be written (the refusal may say so): the line is on the console
 
 
 _TRAIN_LOG: list[_TrainLog] = []
