@@ -74,10 +74,10 @@ def test_every_reader_of_every_rank_counts_bad_rows_and_masking_drops(tmp_path):
             if exhausted_in_a_row == 2:
                 break
         per_rank.append(stats)
-    # Readers 0, 1 (rank 0) read lines 0,1,4,5,8,9,12; readers 2, 3 (rank 1) lines 2,3,6,7,10,11.
-    assert (per_rank[0].conversations, per_rank[0].dropped) == (7, {"invalid_json": 1, "prefix_mismatch": 2,
-                                                                    "no_assistant_turn": 1})
-    assert (per_rank[1].conversations, per_rank[1].dropped) == (6, {"no_assistant_turn": 1, "unknown_role": 1,
+    # Reader worker x 2 + rank (data.blocks.reader_index): readers 0, 2 (rank 0) read lines 0,2,4,...,12;
+    # readers 1, 3 (rank 1) lines 1,3,...,11.
+    assert (per_rank[0].conversations, per_rank[0].dropped) == (7, {"prefix_mismatch": 2, "unknown_role": 1})
+    assert (per_rank[1].conversations, per_rank[1].dropped) == (6, {"invalid_json": 1, "no_assistant_turn": 2,
                                                                     "prefix_mismatch": 1})
     total = per_rank[0].add(per_rank[1])
     assert total.dropped == {"invalid_json": 1, "no_assistant_turn": 2, "unknown_role": 1, "prefix_mismatch": 3}
