@@ -74,8 +74,8 @@ def test_every_reader_of_every_rank_counts_bad_rows_and_masking_drops(tmp_path):
             if exhausted_in_a_row == 2:
                 break
         per_rank.append(stats)
-    # Reader worker x ranks + rank (blocks.reader_index): readers 0, 2 (rank 0) read lines 0,2,4,6,8,10,12;
-    # readers 1, 3 (rank 1) lines 1,3,5,7,9,11.
+    # Reader worker x 2 + rank (data.blocks.reader_index): readers 0, 2 (rank 0) read lines 0,2,4,...,12;
+    # readers 1, 3 (rank 1) lines 1,3,...,11.
     assert (per_rank[0].conversations, per_rank[0].dropped) == (7, {"prefix_mismatch": 2, "unknown_role": 1})
     assert (per_rank[1].conversations, per_rank[1].dropped) == (6, {"invalid_json": 1, "no_assistant_turn": 2,
                                                                     "prefix_mismatch": 1})
@@ -207,9 +207,9 @@ def test_streamed_drops_reach_the_end_line_and_data_report(tmp_path):
     out = tmp_path / "out"
     result = launch_sft(QWEN_TWIN, "--dataset_name", str(data), "--output_dir", str(out), "--report_to", "none",
                         "--max_dropped_share", "0.2", "--max_length", "1024")
-    # Rank 0 reads lines with i % 4 in (0, 1): 5, 17, 29 (invalid_json); rank 1 the rest: 10, 22, 34.
-    assert "[data] rank 0 trained on 18 conversations read (dropped: 3 invalid_json)" in result.stderr
-    assert "[data] rank 1 trained on 18 conversations read (dropped: 3 no_assistant_turn)" in result.stderr
+    # Reader worker x 2 + rank: rank 0 reads the even lines, 10, 22, 34 (no_assistant_turn); rank 1 5, 17, 29.
+    assert "[data] rank 0 trained on 18 conversations read (dropped: 3 no_assistant_turn)" in result.stderr
+    assert "[data] rank 1 trained on 18 conversations read (dropped: 3 invalid_json)" in result.stderr
     assert "[data] all 2 ranks trained on 36 conversations read (dropped: 3 invalid_json, 3 no_assistant_turn)" \
         in result.stderr
     report = json.loads((out / "data_report.json").read_text())
