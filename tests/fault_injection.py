@@ -13,10 +13,14 @@ Each variable names a rank and the optimizer step (1-based, the step being taken
 Not a fault, a probe:
   PROBE_LOCAL_SHARDS=DIR          after training, every rank saves what it holds of each parameter (its local
                                   shard, mesh shape and placements) to DIR/rank<R>.pt
+  PROBE_MICRO_GRADS=DIR           after each micro-batch of the first optimizer step, every rank appends to
+                                  DIR/rank<R>.jsonl the gradient elements it holds: sharded (the DTensor
+                                  grads' local shards) and unsharded (what FSDP2 keeps between micro-batches)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import signal
@@ -44,6 +48,25 @@ def _here(target: tuple[int, set[int]] | None, step: int) -> bool:
     return target is not None and target[0] == RANK and step in target[1]
 
 
+def held_gradient_elements(model) -> dict[str, int]:
+    """Gradient elements this rank holds now: sharded DTensor grads, and the unsharded grads FSDP2 keeps for
+    accumulation (torch `FSDPParam`: `_unsharded_param.grad`, or `unsharded_accumulated_grad` in the reduce dtype)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    sharded = sum(param.grad.to_local().numel() for param in trainable if isinstance(param.grad, DTensor))
+    unsharded = 0
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for fsdp_param in group.fsdp_params if group is not None else []:
+            kept = getattr(fsdp_param, "_unsharded_param", None)
+            for grad in (kept.grad if kept is not None else None, fsdp_param.unsharded_accumulated_grad):
+                unsharded += grad.numel() if grad is not None else 0
+    return {"sharded": sharded, "unsharded": unsharded, "shard": sum(param.to_local().numel() for param in trainable),
+            "full": sum(param.numel() for param in trainable)}
+
+
 def install_faults() -> None:
     trainer_cls = transformers.Trainer
     slow = float(os.environ.get("FAULT_SLOW_STEP_SECONDS", "0"))
@@ -51,12 +74,19 @@ def install_faults() -> None:
 
     original_training_step = trainer_cls.training_step
 
+    grads_dir = os.environ.get("PROBE_MICRO_GRADS")
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         if slow:
             time.sleep(slow)
         if _here(hang, self.state.global_step + 1):
             os.kill(os.getpid(), signal.SIGSTOP)
-        return original_training_step(self, model, inputs, num_items_in_batch)
+        loss = original_training_step(self, model, inputs, num_items_in_batch)
+        if grads_dir and self.state.global_step == 0:
+            Path(grads_dir).mkdir(parents=True, exist_ok=True)
+            with open(Path(grads_dir) / f"rank{RANK}.jsonl", "a") as out:
+                out.write(json.dumps(held_gradient_elements(model)) + "\n")
+        return loss
 
     original_compute_loss = trl.SFTTrainer.compute_loss  # SFTTrainer computes its loss itself
 

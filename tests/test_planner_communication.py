@@ -51,16 +51,18 @@ def test_llama_8b_bytes_per_step_per_gpu_equal_hand_arithmetic(llama):
 
     flat = estimate_communication(config, counts, setup, MeshLayout(2, 8, 1), "H100")
     # per micro-batch (2 of them): every layer gathered in forward and again in backward, the root once, in bf16;
-    # a ring over 16 ranks brings 15/16 of each to every rank. Gradients: reduce-scattered once per step, in fp32.
+    # a ring over 16 ranks brings 15/16 of each to every rank. Gradients: reduce-scattered in fp32
+    # after each micro-batch too (sync_each_batch keeps them sharded), not once per step.
     assert flat.all_gather_bytes == pytest.approx(2 * (2 * 32 * LAYER + ROOT) * 2 * 15 / 16)
-    assert flat.reduce_scatter_bytes == pytest.approx(TOTAL * 4 * 15 / 16)
+    assert flat.reduce_scatter_bytes == pytest.approx(2 * TOTAL * 4 * 15 / 16)
     assert flat.all_reduce_bytes == 0 and flat.all_to_all_bytes == 0
 
     hsdp = estimate_communication(config, counts, dataclasses.replace(setup, replicate_size=2), MeshLayout(2, 8, 2), "H100")
-    # shard over the 8 GPUs of a node, then the fp32 gradient shard (1/8) all-reduced by the 2 replicas: 2 x 1/2 of it
+    # shard over the 8 GPUs of a node, then the fp32 gradient shard (1/8) all-reduced by the 2 replicas: 2 x 1/2 of it,
+    # each of the 2 micro-batches
     assert hsdp.all_gather_bytes == pytest.approx(2 * (2 * 32 * LAYER + ROOT) * 2 * 7 / 8)
-    assert hsdp.reduce_scatter_bytes == pytest.approx(TOTAL * 4 * 7 / 8)
-    assert hsdp.all_reduce_bytes == pytest.approx(2 * (1 / 2) * TOTAL * 4 / 8)
+    assert hsdp.reduce_scatter_bytes == pytest.approx(2 * TOTAL * 4 * 7 / 8)
+    assert hsdp.all_reduce_bytes == pytest.approx(2 * 2 * (1 / 2) * TOTAL * 4 / 8)
 
 
 def test_lora_gathers_the_frozen_base_and_reduces_only_the_adapter():
@@ -95,7 +97,7 @@ def test_the_2x8_h100_llama_recipe_is_compute_bound_under_the_link_table_and_net
 
 def test_at_8_nodes_hsdp_beats_flat_fsdp(llama):
     # the seed's precision (accelerate's default bf16 reduce), 1 x 1024 per GPU, 2 accumulation steps: flat FSDP
-    # gathers every layer over the network on every micro-batch; HSDP over NVLink, one all-reduce per step
+    # gathers every layer over the network on every micro-batch; HSDP over NVLink, one all-reduce per micro-batch
     config, counts = llama
     setup = llama_recipe_setup(64, micro_batch_size=1, reduce_dtype=torch.bfloat16)
     flat, hsdp = compare_layouts(config, counts, setup, 8, "H100", Links.for_gpu("H100"))

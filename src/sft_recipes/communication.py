@@ -8,11 +8,11 @@ the run's dtypes, for FSDP2 over a 2-D mesh of ``replicate`` x ``shard`` ranks (
                head, final norm -- is gathered once: FSDP2 does not reshard the root after forward).
                LoRA gathers the frozen base weights too: FSDP2 shards whole units.
 - reduce-scatter
-               the trainable gradients in the reduce dtype, inside the shard group, ONCE per optimizer
-               step: accelerate's ``no_sync`` under FSDP2 is ``set_requires_gradient_sync(False)``
-               (accelerate/accelerator.py), so the micro-batches before the last keep their gradients
-               unsharded and unreduced (transformers' Trainer enters it on every micro-batch but the last).
-- all-reduce   under HSDP, the reduce-scattered gradient shard across the replicas, once per step.
+               the trainable gradients in the reduce dtype, inside the shard group, once per MICRO-BATCH:
+               the run sets accelerate's ``sync_each_batch`` (`distributed.reduce_scatter_every_micro_batch`),
+               because its ``no_sync`` under FSDP2 would keep every unit's gradient unsharded between
+               micro-batches -- the full trainable gradient on every rank (docs/traps.md).
+- all-reduce   under HSDP, the reduce-scattered gradient shard across the replicas, once per micro-batch.
 - all-to-all   sequence parallelism's exchanges (`plan._exchange_bytes_per_token`, the same buffers the
                memory model counts), forward and backward, plus the recomputed forward under checkpointing.
 
@@ -29,7 +29,8 @@ constants of NVIDIA/nccl src/graph/tuning.cc as torch/_inductor/comm_analysis.py
 Overlap: FSDP2 prefetches the next unit's all-gather during the current unit's compute and runs the
 previous unit's reduce-scatter (and all-reduce) during the next one's backward, so per decoder layer
 only what exceeds that layer's compute is exposed; the root's gather (nothing computes before it) and
-the last reduce-scatter / all-reduce (the optimizer waits) are exposed whole. Sequence parallelism's
+the last reduce-scatter / all-reduce of each micro-batch (the next forward or the optimizer waits) are
+exposed whole. Sequence parallelism's
 all-to-all sits inside the layer's data dependencies: exposed whole. Activation offloading copies
 what it offloads to the host during forward and back during backward, on side streams over PCIe:
 exposed only where a pass's copies outlast its compute.
@@ -283,16 +284,14 @@ def estimate_communication(config: PretrainedConfig, counts: ParamCounts, setup:
     regather = [gather_unit] if reshard_after_forward else []
     exposed_forward = gather_root.seconds(links) + gather_unit.seconds(links) + \
         (units - 1) * max(0.0, gather_unit.seconds(links) - forward_layer)
-    exposed_backward = {
-        sync: (units - 1) * max(0.0, layer_time(regather + (reduce_unit if sync else [])) - backward_layer)
-        + (layer_time(reduce_unit) + layer_time(reduce_root) if sync else 0.0)
-        for sync in (False, True)
-    }
+    # every micro-batch reduce-scatters (sft_recipes.distributed.reduce_scatter_every_micro_batch): its last unit's
+    # and the root's reductions are exposed each time, as the next micro-batch's forward waits for them
+    exposed_backward = (units - 1) * max(0.0, layer_time(regather + reduce_unit) - backward_layer) \
+        + layer_time(reduce_unit) + layer_time(reduce_root)
     exposed_sp = passes * units * all_to_all.seconds(links)
     host_copy = offloaded_bytes / (PCIE_GBPS * GBIT * LINK_EFFICIENCY)  # each way: to the host, then back
     exposed_offload = max(0.0, host_copy - units * forward_layer) + max(0.0, host_copy - units * backward_layer)
-    exposed = (micro_batches * (exposed_forward + exposed_sp + exposed_offload)
-               + (micro_batches - 1) * exposed_backward[False] + exposed_backward[True])
+    exposed = micro_batches * (exposed_forward + exposed_sp + exposed_offload + exposed_backward)
 
     busy: dict[str, float] = {INTRA: 0.0, INTER: 0.0}
     gathers_per_micro = units * (2 if reshard_after_forward else 1)
@@ -300,21 +299,22 @@ def estimate_communication(config: PretrainedConfig, counts: ParamCounts, setup:
     _add(busy, gather_root.link_seconds(links), micro_batches)
     _add(busy, all_to_all.link_seconds(links), micro_batches * passes * units)
     for collective in reduce_unit:
-        _add(busy, collective.link_seconds(links), units)
+        _add(busy, collective.link_seconds(links), micro_batches * units)
     for collective in reduce_root:
-        _add(busy, collective.link_seconds(links))
+        _add(busy, collective.link_seconds(links), micro_batches)
     if offloaded_bytes:
         busy[PCIE] = 2 * micro_batches * host_copy
 
-    all_reduce_bytes = (units * replicas[0].wire_bytes + replicas[1].wire_bytes) if layout.replicate > 1 else 0.0
-    collectives = micro_batches * (gathers_per_micro + 1 + (passes * units if sp > 1 else 0)) + \
-        (units + 1) * (2 if layout.replicate > 1 else 1)
+    all_reduce_bytes = micro_batches * (units * replicas[0].wire_bytes + replicas[1].wire_bytes) \
+        if layout.replicate > 1 else 0.0
+    collectives = micro_batches * (gathers_per_micro + 1 + (passes * units if sp > 1 else 0)
+                                   + (units + 1) * (2 if layout.replicate > 1 else 1))
     candidates = {COMPUTE: compute, **busy}
     return CommunicationEstimate(
         layout=layout.name, nodes=layout.nodes, gpus_per_node=layout.gpus_per_node, replicate=layout.replicate,
         shard=layout.shard, gpu=gpu, intra_node_gbps=links.intra_node_gbps, inter_node_gbps=links.inter_node_gbps,
         all_gather_bytes=micro_batches * (gathers_per_micro * gather_unit.wire_bytes + gather_root.wire_bytes),
-        reduce_scatter_bytes=units * scatter_unit.wire_bytes + scatter_root.wire_bytes,
+        reduce_scatter_bytes=micro_batches * (units * scatter_unit.wire_bytes + scatter_root.wire_bytes),
         all_reduce_bytes=all_reduce_bytes,
         all_to_all_bytes=micro_batches * passes * units * all_to_all.wire_bytes,
         collectives_per_step=collectives,

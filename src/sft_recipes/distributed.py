@@ -140,6 +140,22 @@ def verify_distributed(trainer) -> str:
     return f"{kind} over {accelerator.num_processes} process(es) on {accelerator.device.type}"
 
 
+def reduce_scatter_every_micro_batch(training_args) -> None:
+    """Under FSDP2 with gradient accumulation, reduce-scatter the gradient after every micro-batch.
+
+    The Trainer runs all but the last micro-batch of a step in accelerate's `no_sync`, which for FSDP2 is
+    `set_requires_gradient_sync(False)`: torch then keeps each FSDP unit's gradient UNSHARDED until the last
+    micro-batch (`FSDPParam.to_accumulated_grad_if_needed`), the full trainable gradient on every rank (measured
+    on the CPU twin: docs/traps.md). `sync_each_batch` keeps it sharded, at one reduce-scatter per micro-batch.
+    Must run before the trainer is built, where the accelerator reads the kwargs.
+    """
+    if not fsdp_requested() or training_args.gradient_accumulation_steps == 1:
+        return
+    kwargs = dict(training_args.accelerator_config.gradient_accumulation_kwargs or {})
+    kwargs["sync_each_batch"] = True
+    training_args.accelerator_config.gradient_accumulation_kwargs = kwargs
+
+
 def set_fsdp_reduce_dtype(trainer, dtype_name: str) -> None:
     """Reduce gradients in `dtype_name` under FSDP2 mixed precision (accelerate configs can't say it).
 

@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from sft_recipes.distributed import set_fsdp_reduce_dtype, verify_distributed
+from sft_recipes.distributed import reduce_scatter_every_micro_batch, set_fsdp_reduce_dtype, verify_distributed
 from sft_recipes.evaluation import evaluated_at_last_step
 from sft_recipes.fault import fault_tolerance_callbacks
 from sft_recipes.fault.resume import recipe_identity
@@ -65,6 +65,7 @@ def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Traini
         model_copy._forward_pre_hooks_with_kwargs.clear()
         write_base_samples(training_args.output_dir, data.sample_prompts, model_copy, tokenizer,
                            **sample_settings(recipe))
+    reduce_scatter_every_micro_batch(training_args)  # gradients stay sharded between micro-batches
     trainer = RecipeSFTTrainer(
         model=built.model,
         args=training_args,
