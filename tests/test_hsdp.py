@@ -50,6 +50,9 @@ def runs(tmp_path_factory):
     hsdp_result = finish(hsdp)
     assert hsdp_result.returncode == 0, hsdp_result.output[-6000:]
     launch_sft(recipe, *COMMON, "--output_dir", str(root / "flat4"), nproc=4)
+    # 2 per device x 4 processes x 2 accumulation steps = 16: the all-reduce across replicas waits for the last
+    launch_sft(recipe, *COMMON, "--output_dir", str(root / "hsdp_accumulated"), "--per_device_train_batch_size", "2",
+               nproc=4, config=HSDP_CPU_CONFIG)
     launch_sft(recipe, *COMMON, "--output_dir", str(root / "one"), nproc=1)
 
     for layout in ("on_hsdp", "on_flat2", "on_one"):
@@ -90,11 +93,12 @@ def test_every_parameter_is_split_two_ways_inside_a_replica_and_the_replicas_are
 
 
 def test_losses_and_grad_norms_equal_flat_fsdp_and_one_process(runs):
-    hsdp, flat, one = (read_summary(runs["root"] / name) for name in ("hsdp", "flat4", "one"))
+    hsdp, flat, one, accumulated = (read_summary(runs["root"] / name)
+                                    for name in ("hsdp", "flat4", "one", "hsdp_accumulated"))
     assert flat["distributed"] == "FSDP2 over 4 process(es) on cpu"
     assert one["distributed"] == "FSDP2 over 1 process(es) on cpu"
     assert list(hsdp["losses"]) == list(hsdp["grad_norms"]) == [str(step) for step in range(1, STEPS + 1)]
-    for other in (flat, one):
+    for other in (flat, one, accumulated):
         for step in hsdp["losses"]:
             assert hsdp["losses"][step] == pytest.approx(other["losses"][step], abs=1e-4), step
             assert hsdp["grad_norms"][step] == pytest.approx(other["grad_norms"][step], rel=1e-4), step

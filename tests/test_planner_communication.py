@@ -58,11 +58,11 @@ def test_llama_8b_bytes_per_step_per_gpu_equal_hand_arithmetic(llama):
     assert flat.all_reduce_bytes == 0 and flat.all_to_all_bytes == 0
 
     hsdp = estimate_communication(config, counts, dataclasses.replace(setup, replicate_size=2), MeshLayout(2, 8, 2), "H100")
-    # shard over the 8 GPUs of a node, then the fp32 gradient shard (1/8) all-reduced by the 2 replicas: 2 x 1/2 of it,
-    # each of the 2 micro-batches
+    # shard over the 8 GPUs of a node, reduce-scattered there after each micro-batch; then the fp32 gradient
+    # shard (1/8, the sum of both micro-batches) all-reduced by the 2 replicas once per step: 2 x 1/2 of it
     assert hsdp.all_gather_bytes == pytest.approx(2 * (2 * 32 * LAYER + ROOT) * 2 * 7 / 8)
     assert hsdp.reduce_scatter_bytes == pytest.approx(2 * TOTAL * 4 * 7 / 8)
-    assert hsdp.all_reduce_bytes == pytest.approx(2 * 2 * (1 / 2) * TOTAL * 4 / 8)
+    assert hsdp.all_reduce_bytes == pytest.approx(2 * (1 / 2) * TOTAL * 4 / 8)
 
 
 def test_lora_gathers_the_frozen_base_and_reduces_only_the_adapter():
@@ -97,7 +97,7 @@ def test_the_2x8_h100_llama_recipe_is_compute_bound_under_the_link_table_and_net
 
 def test_at_8_nodes_hsdp_beats_flat_fsdp(llama):
     # the seed's precision (accelerate's default bf16 reduce), 1 x 1024 per GPU, 2 accumulation steps: flat FSDP
-    # gathers every layer over the network on every micro-batch; HSDP over NVLink, one all-reduce per micro-batch
+    # gathers every layer over the network on every micro-batch; HSDP over NVLink, one all-reduce per step
     config, counts = llama
     setup = llama_recipe_setup(64, micro_batch_size=1, reduce_dtype=torch.bfloat16)
     flat, hsdp = compare_layouts(config, counts, setup, 8, "H100", Links.for_gpu("H100"))
@@ -162,7 +162,7 @@ def test_an_hsdp_shard_group_that_cannot_hold_the_run_names_the_shortfall_and_th
     loaded = load_recipe(REPO_ROOT / "recipes" / "qwen27b.yaml", {"model_name_or_path": str(QWEN_27B),
                                                                  "global_batch_size": 16}, planning=True)
     accelerate_config = read_accelerate_config(REPO_ROOT / "accelerate_configs" / "fsdp2_2node.yaml")
-    plan = plan_recipe(loaded, accelerate_config, 16, replicate_size=2)
+    plan = plan_recipe(loaded, accelerate_config, 16, replicate_size=2)  # 16 blocks: one per process
     config = read_model_config(QWEN_27B, download=False)
 
     shortfall = shard_group_shortfall(config, plan.counts, plan.setup, "H100")

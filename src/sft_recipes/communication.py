@@ -12,7 +12,9 @@ the run's dtypes, for FSDP2 over a 2-D mesh of ``replicate`` x ``shard`` ranks (
                the run sets accelerate's ``sync_each_batch`` (`distributed.reduce_scatter_every_micro_batch`),
                because its ``no_sync`` under FSDP2 would keep every unit's gradient unsharded between
                micro-batches -- the full trainable gradient on every rank (docs/traps.md).
-- all-reduce   under HSDP, the reduce-scattered gradient shard across the replicas, once per micro-batch.
+- all-reduce   under HSDP, the reduce-scattered gradient shard (the sum of the step's micro-batches) across the
+               replicas, once per optimizer step: the run defers it to the step's last micro-batch
+               (`distributed.replicas_reduced_at_the_step_end`, FSDP2's `set_requires_all_reduce`).
 - all-to-all   sequence parallelism's exchanges (`plan._exchange_bytes_per_token`, the same buffers the
                memory model counts), forward and backward, plus the recomputed forward under checkpointing.
 
@@ -285,30 +287,33 @@ def estimate_communication(config: PretrainedConfig, counts: ParamCounts, setup:
     exposed_forward = gather_root.seconds(links) + gather_unit.seconds(links) + \
         (units - 1) * max(0.0, gather_unit.seconds(links) - forward_layer)
     # every micro-batch reduce-scatters (sft_recipes.distributed.reduce_scatter_every_micro_batch): its last unit's
-    # and the root's reductions are exposed each time, as the next micro-batch's forward waits for them
-    exposed_backward = (units - 1) * max(0.0, layer_time(regather + reduce_unit) - backward_layer) \
-        + layer_time(reduce_unit) + layer_time(reduce_root)
+    # and the root's reductions are exposed each time, as the next micro-batch's forward waits for them; under
+    # HSDP only the step's last micro-batch all-reduces across replicas (`replicas_reduced_at_the_step_end`)
+    def exposed_backward(unit: list[Collective], root: list[Collective]) -> float:
+        return (units - 1) * max(0.0, layer_time(regather + unit) - backward_layer) + layer_time(unit) + layer_time(root)
     exposed_sp = passes * units * all_to_all.seconds(links)
     host_copy = offloaded_bytes / (PCIE_GBPS * GBIT * LINK_EFFICIENCY)  # each way: to the host, then back
     exposed_offload = max(0.0, host_copy - units * forward_layer) + max(0.0, host_copy - units * backward_layer)
-    exposed = micro_batches * (exposed_forward + exposed_sp + exposed_offload + exposed_backward)
+    exposed = (micro_batches * (exposed_forward + exposed_sp + exposed_offload)
+               + (micro_batches - 1) * exposed_backward([scatter_unit], [scatter_root])
+               + exposed_backward(reduce_unit, reduce_root))
 
     busy: dict[str, float] = {INTRA: 0.0, INTER: 0.0}
     gathers_per_micro = units * (2 if reshard_after_forward else 1)
     _add(busy, gather_unit.link_seconds(links), micro_batches * gathers_per_micro)
     _add(busy, gather_root.link_seconds(links), micro_batches)
     _add(busy, all_to_all.link_seconds(links), micro_batches * passes * units)
-    for collective in reduce_unit:
-        _add(busy, collective.link_seconds(links), micro_batches * units)
-    for collective in reduce_root:
-        _add(busy, collective.link_seconds(links), micro_batches)
+    _add(busy, scatter_unit.link_seconds(links), micro_batches * units)
+    _add(busy, scatter_root.link_seconds(links), micro_batches)
+    if layout.replicate > 1:  # once per optimizer step
+        _add(busy, replicas[0].link_seconds(links), units)
+        _add(busy, replicas[1].link_seconds(links))
     if offloaded_bytes:
         busy[PCIE] = 2 * micro_batches * host_copy
 
-    all_reduce_bytes = micro_batches * (units * replicas[0].wire_bytes + replicas[1].wire_bytes) \
-        if layout.replicate > 1 else 0.0
-    collectives = micro_batches * (gathers_per_micro + 1 + (passes * units if sp > 1 else 0)
-                                   + (units + 1) * (2 if layout.replicate > 1 else 1))
+    all_reduce_bytes = units * replicas[0].wire_bytes + replicas[1].wire_bytes if layout.replicate > 1 else 0.0
+    collectives = micro_batches * (gathers_per_micro + 1 + (passes * units if sp > 1 else 0) + units + 1) + \
+        ((units + 1) if layout.replicate > 1 else 0)
     candidates = {COMPUTE: compute, **busy}
     return CommunicationEstimate(
         layout=layout.name, nodes=layout.nodes, gpus_per_node=layout.gpus_per_node, replicate=layout.replicate,

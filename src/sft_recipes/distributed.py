@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 from accelerate.state import AcceleratorState, DistributedType, PartialState
@@ -154,6 +155,25 @@ def reduce_scatter_every_micro_batch(training_args) -> None:
     kwargs = dict(training_args.accelerator_config.gradient_accumulation_kwargs or {})
     kwargs["sync_each_batch"] = True
     training_args.accelerator_config.gradient_accumulation_kwargs = kwargs
+
+
+@contextlib.contextmanager
+def replicas_reduced_at_the_step_end(model, last_micro_batch: bool) -> Iterator[None]:
+    """Under HSDP, around a micro-batch that is not the step's last: reduce-scatter inside the replica (the
+    gradient stays sharded, `reduce_scatter_every_micro_batch`) but leave the all-reduce across replicas for
+    the last micro-batch, as transformers does for a model it sharded itself (`_defer_fsdp_gradient_reduction`):
+    one gradient all-reduce over the network per optimizer step, not one per micro-batch. FSDP2 adds the
+    micro-batches' reduce-scattered shards and all-reduces their sum (`set_requires_all_reduce`); a flat
+    FSDP2 mesh has no all-reduce, so this changes nothing there."""
+    set_all_reduce = getattr(model, "set_requires_all_reduce", None)
+    if set_all_reduce is None or last_micro_batch:
+        yield
+        return
+    set_all_reduce(False)
+    try:
+        yield
+    finally:
+        set_all_reduce(True)
 
 
 def set_fsdp_reduce_dtype(trainer, dtype_name: str) -> None:

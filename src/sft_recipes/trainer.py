@@ -17,6 +17,7 @@ from trl import SFTTrainer
 from sft_recipes.architectures.sequence_parallel import SequenceParallelLayout
 from sft_recipes.data.blocks import IGNORE_INDEX, RankLocalBlockStream, StopWhenAnyRankExhausted, StreamStats
 from sft_recipes.data.sequence_shards import shard_block
+from sft_recipes.distributed import replicas_reduced_at_the_step_end
 from sft_recipes.evaluation import TokenWeightedEvalMixin
 from sft_recipes.export import export_adapter
 from sft_recipes.fault.output_disk import check_room_before_save, saved_or_refused
@@ -153,7 +154,8 @@ class RecipeSFTTrainer(TokenWeightedEvalMixin, EndOfDataTogetherMixin, SFTTraine
             self.exhaustion.exhausted = True
         if self.sequence_parallel is not None:
             inputs = shard_block(inputs, self.sequence_parallel.sp_rank, self.sequence_parallel.sp_size)
-        return super().training_step(model, inputs, num_items_in_batch)
+        with replicas_reduced_at_the_step_end(model, self.accelerator.sync_gradients):
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def get_sp_size(self) -> int:
         """Ranks holding the same sequences: transformers divides them out of the global batch size."""

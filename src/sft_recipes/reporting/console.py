@@ -28,7 +28,7 @@ from pathlib import Path
 
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from sft_recipes.errors import on_refusal
+from sft_recipes.errors import forget_refusal_hooks, on_refusal
 
 TRAIN_LOG = "train.log"
 
@@ -207,6 +207,16 @@ def keep_train_log() -> None:
     """The run trains: write what the log held so far, and everything from now on."""
     for log in _TRAIN_LOG:
         log.keep()
+
+
+def close_train_log() -> None:
+    """Close the run's train.log and forget its refusal hook (`sft_recipes.train()` between two runs in one process;
+    the console streams the tee replaced are restored by `in_process`, which saved them)."""
+    for log in _TRAIN_LOG:
+        if log._file is not None:
+            log._file.close()
+    _TRAIN_LOG.clear()
+    forget_refusal_hooks()
 
 
 def open_train_log(output_dir: str | os.PathLike, rank: int | None = None) -> Path:
