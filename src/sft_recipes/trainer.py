@@ -173,7 +173,7 @@ class RecipeSFTTrainer(TokenWeightedEvalMixin, EndOfDataTogetherMixin, SFTTraine
         checkpoint = Path(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         # A disk without room for it is refused before the save, one that fills during it in one line, on every rank.
         check_room_before_save(self.args.output_dir, self.state.global_step, self.args.ddp_timeout)
-        saved_or_refused(lambda: super(RecipeSFTTrainer, self)._save_checkpoint(model, trial), checkpoint,
-                         self.args.ddp_timeout)
+        save = super()._save_checkpoint  # bound here: the name RecipeSFTTrainer may name a subclass by save time
+        saved_or_refused(lambda: save(model, trial), checkpoint, self.args.ddp_timeout)
         if self.adapter_checkpoints:  # collective, like the save itself
             export_adapter(self, checkpoint / "adapter")
