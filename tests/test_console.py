@@ -20,6 +20,9 @@ def test_a_training_log_is_one_line_with_what_a_user_watches():
     assert step_line({"eval_loss": 5.87, "eval_tokens": 644, "eval_runtime": 0.05}, 2, 4) == "step 2/4 | eval loss 5.8700"
     assert step_line({"train_runtime": 3.9, "train_loss": 5.887, "epoch": 0.2}, 4, 4) == (
         "step 4/4 | trained in 0:00:04 | mean loss 5.8870")
+    # with include_num_input_tokens_seen (our default) transformers adds speed metrics to every step's log
+    assert step_line({"loss": 6.2, "num_input_tokens_seen": 1536, "train_runtime": 1.2,
+                      "train_tokens_per_second": 1280.0}, 1, 4) == "step 1/4 | loss 6.2000"
 
 
 def test_the_log_keeps_each_line_and_a_progress_bar_as_its_last_frame():

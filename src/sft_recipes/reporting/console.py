@@ -62,8 +62,10 @@ def step_line(logs: dict, step: int, max_steps: int, last_eval: tuple[int, float
     where = f"step {step}/{max_steps}"
     if "loss" not in logs and "eval_loss" in logs:
         return f"{where} | eval loss {logs['eval_loss']:.4f}"
-    if "train_runtime" in logs:
-        return (f"{where} | trained in {_duration(logs['train_runtime'])} | mean loss {logs.get('train_loss', float('nan')):.4f}")
+    # The end-of-training log is the one with train_loss: with include_num_input_tokens_seen transformers puts
+    # train_runtime (and train_tokens_per_second) in every step's log too.
+    if "train_loss" in logs:
+        return f"{where} | trained in {_duration(logs.get('train_runtime', 0.0))} | mean loss {logs['train_loss']:.4f}"
     parts = [where]
     if "loss" in logs:
         parts.append(f"loss {logs['loss']:.4f}")
