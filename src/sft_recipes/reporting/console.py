@@ -56,6 +56,12 @@ def _duration(seconds: float) -> str:
     return str(datetime.timedelta(seconds=round(max(seconds, 0.0))))
 
 
+# What a step line shows of a training log, in order (the rest goes to MLflow only).
+STEP_FIELDS = (("learning_rate", "lr {:.2e}"), ("grad_norm", "grad norm {:.3g}"),
+               ("tokens_per_second_per_device", "{:,.0f} tokens/s/device"), ("mfu", "MFU {:.1%}"),
+               ("packing_efficiency", "packing {:.1%}"), ("peak_memory_gib", "peak {:.2f} GiB"))
+
+
 def step_line(logs: dict, step: int, max_steps: int, last_eval: tuple[int, float] | None = None,
               eta_seconds: float | None = None) -> str:
     """A training, eval or end-of-training log as one line (keys the line does not show go to MLflow only)."""
@@ -71,18 +77,7 @@ def step_line(logs: dict, step: int, max_steps: int, last_eval: tuple[int, float
         parts.append(f"loss {logs['loss']:.4f}")
     if last_eval is not None:
         parts.append(f"eval loss {last_eval[1]:.4f} (step {last_eval[0]})")
-    if "learning_rate" in logs:
-        parts.append(f"lr {logs['learning_rate']:.2e}")
-    if "grad_norm" in logs:
-        parts.append(f"grad norm {logs['grad_norm']:.3g}")
-    if "tokens_per_second_per_device" in logs:
-        parts.append(f"{logs['tokens_per_second_per_device']:,.0f} tokens/s/device")
-    if "mfu" in logs:
-        parts.append(f"MFU {logs['mfu']:.1%}")
-    if "packing_efficiency" in logs:
-        parts.append(f"packing {logs['packing_efficiency']:.1%}")
-    if "peak_memory_gib" in logs:
-        parts.append(f"peak {logs['peak_memory_gib']:.2f} GiB")
+    parts += [shown.format(logs[key]) for key, shown in STEP_FIELDS if key in logs]
     if eta_seconds is not None:
         parts.append(f"ETA {_duration(eta_seconds)}")
     return " | ".join(parts)
