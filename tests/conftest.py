@@ -100,3 +100,16 @@ def single_rank_group(tmp_path_factory):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+LAUNCH_ENV_PREFIXES = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")  # what an accelerate config exports
+
+
+@pytest.fixture(autouse=True)
+def no_launch_environment_left_behind():
+    """Every test leaves the launch variables as it found them: one that exports a config into the pytest process
+    changes what every later in-process run (train() under a decorator stand-in, lint) reads."""
+    before = {name: value for name, value in os.environ.items() if name.startswith(LAUNCH_ENV_PREFIXES)}
+    yield
+    after = {name: value for name, value in os.environ.items() if name.startswith(LAUNCH_ENV_PREFIXES)}
+    assert after == before, f"the test changed the launch environment: {sorted(set(after.items()) ^ set(before.items()))}"

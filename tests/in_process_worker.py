@@ -25,6 +25,7 @@ def _worker(rank: int, world_size: int, port: int, calls: list[dict], results: s
     from sft_recipes.errors import RecipeError
 
     torch.set_num_threads(1)
+    inherited = {name for name in os.environ if name.startswith(LEAK_ENV_PREFIXES)}  # the caller's, not a call's
     outcomes = []
     for call in calls:
         try:
@@ -38,7 +39,7 @@ def _worker(rank: int, world_size: int, port: int, calls: list[dict], results: s
         outcome["left_behind"] = {
             "process_group": dist.is_initialized(),
             "accelerate_state": bool(PartialState._shared_state or AcceleratorState._shared_state),
-            "env": sorted(name for name in os.environ if name.startswith(LEAK_ENV_PREFIXES)),
+            "env": sorted(name for name in os.environ if name.startswith(LEAK_ENV_PREFIXES) and name not in inherited),
         }
         outcomes.append(outcome)
     Path(results, f"rank{rank}.json").write_text(json.dumps(outcomes))

@@ -48,15 +48,16 @@ def test_launch_environment_is_exactly_what_accelerate_launch_exports(config, tm
     assert read_accelerate_config(path).launch_environment() == accelerates_own_environment(path, monkeypatch)
 
 
-def test_export_sets_the_launch_environment_in_this_process(monkeypatch):
-    for name in ("ACCELERATE_USE_FSDP", "FSDP_ACTIVATION_CHECKPOINTING", "FSDP_VERSION", "ACCELERATE_MIXED_PRECISION"):
-        monkeypatch.setenv(name, "unset")  # recorded, so the teardown removes what export() sets
-        monkeypatch.delenv(name)
-    read_accelerate_config(CONFIGS / "fsdp2_8gpu.yaml").export()
+def test_exported_sets_the_launch_environment_for_the_block_and_restores_it(monkeypatch):
     import os
 
-    assert (os.environ["ACCELERATE_USE_FSDP"], os.environ["FSDP_ACTIVATION_CHECKPOINTING"], os.environ["FSDP_VERSION"],
-            os.environ["ACCELERATE_MIXED_PRECISION"]) == ("true", "true", "2", "bf16")
+    monkeypatch.setenv("FSDP_VERSION", "1")  # the caller's own value comes back
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    before = dict(os.environ)
+    with read_accelerate_config(CONFIGS / "fsdp2_8gpu.yaml").exported():
+        assert (os.environ["ACCELERATE_USE_FSDP"], os.environ["FSDP_ACTIVATION_CHECKPOINTING"], os.environ["FSDP_VERSION"],
+                os.environ["ACCELERATE_MIXED_PRECISION"]) == ("true", "true", "2", "bf16")
+    assert dict(os.environ) == before
 
 
 @pytest.mark.parametrize(("config", "machines", "per_node", "precision"), [

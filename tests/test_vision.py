@@ -8,6 +8,7 @@ show the comparison catches those leaks, and the preflight refuses a packing tha
 """
 
 import io
+import os
 
 import pytest
 import torch
@@ -265,6 +266,7 @@ def test_dry_run_plans_the_vision_tower_and_the_image_tokens():
 
     config = str(REALWORLD_DIR / "model_configs" / "Qwen__Qwen3.5-27B.derived.json")
     common = ["--model_name_or_path", config]
+    environment = dict(os.environ)
     frozen = plan_dry_run("recipes/qwen27b-vision.yaml", common, "accelerate_configs/fsdp2_8gpu.yaml")
     assert "vision tower      453,650,672 parameters (tower frozen, merger trains: 37,759,232 trainable" in frozen
     # 602,112 pixels / (16 * 2)**2 per token = 588 tokens; 8192 // 588 = 13 images per block.
@@ -274,6 +276,7 @@ def test_dry_run_plans_the_vision_tower_and_the_image_tokens():
     added = [float(line.split("+")[1].split()[0]) for text in (frozen, trained) for line in text.splitlines()
              if "vision memory" in line]
     assert added[1] > 100 * added[0] > 0  # a trained tower keeps its activations
+    assert dict(os.environ) == environment  # the config's FSDP_* are the plan's, not this process's from now on
 
 
 def test_sequence_parallelism_on_image_data_is_refused_at_parse_time():

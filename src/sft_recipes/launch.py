@@ -29,11 +29,12 @@ Facts from accelerate 1.15 this module encodes (`accelerate/commands/launch.py`,
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -244,9 +245,18 @@ class AccelerateConfig:
             env.update({f"PARALLELISM_CONFIG_{key.upper()}": str(raw[_PARALLELISM_PREFIX + key]) for key in exported})
         return env
 
-    def export(self) -> None:
-        """Set `launch_environment()` in this process, so what reads the launch (lint, the run) sees this config."""
+    @contextlib.contextmanager
+    def exported(self) -> Iterator[None]:
+        """`launch_environment()` set in this process while the block runs, so what reads the launch (lint, the
+        plan) sees this config; the environment as it was afterwards (an in-process caller -- a notebook, a
+        test -- would otherwise carry this config's FSDP_* into its next run)."""
+        before = dict(os.environ)
         os.environ.update(self.launch_environment())
+        try:
+            yield
+        finally:
+            os.environ.clear()
+            os.environ.update(before)
 
 
 def launched_parallelism(environ: Mapping[str, str] | None = None) -> ParallelismSizes | None:

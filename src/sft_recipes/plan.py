@@ -52,6 +52,7 @@ root unit's reduce-scatter at the end of backward.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import asdict, dataclass
@@ -734,13 +735,19 @@ def plan_dry_run(recipe_path: str, overrides: list[str], config_file: str | None
 
     RecipeError for anything that stops the plan (the recipe, the launcher's settings, the model's config).
     """
+    accelerate_config = config_for_recipe(config_file, recipe_path)
+    with accelerate_config.exported() if accelerate_config else contextlib.nullcontext():  # what lint reads
+        return _dry_run_text(recipe_path, overrides, accelerate_config, config_file, world_size, plan_json, gpu,
+                             intra_node_gbps, inter_node_gbps)
+
+
+def _dry_run_text(recipe_path: str, overrides: list[str], accelerate_config: AccelerateConfig | None,
+                  config_file: str | None, world_size: int | None, plan_json: str | None, gpu: str | None,
+                  intra_node_gbps: float | None, inter_node_gbps: float | None) -> str:
     from sft_recipes.config import load_recipe
     from sft_recipes.data.mixture import has_images
     from sft_recipes.lint import LintContext, lint_recipe
 
-    accelerate_config = config_for_recipe(config_file, recipe_path)
-    if accelerate_config:
-        accelerate_config.export()
     world_size = planned_world_size(accelerate_config, world_size)
     recipe = load_recipe(recipe_path, overrides, planning=True)
     model_args = recipe.model

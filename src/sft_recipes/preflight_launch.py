@@ -48,8 +48,6 @@ def preflight(config_path: str, recipe_path: str, processes_per_node: int | None
 def recipe_refusal(config_path: str, recipe_path: str, overrides: list[str], world_size: int | None,
                    has_accelerator: bool) -> str | None:
     """What the run would refuse at start, without a model: parse, data-source keys, Hub push, lint. None: it stands."""
-    import os
-
     from sft_recipes.config import load_recipe
     from sft_recipes.data.mixture import eval_sources, training_sources
     from sft_recipes.data.sources import refuse_missing_local_path
@@ -57,25 +55,21 @@ def recipe_refusal(config_path: str, recipe_path: str, overrides: list[str], wor
     from sft_recipes.lint import LintContext, lint_recipe
     from sft_recipes.reporting.hub import take_over_hub_push
 
-    environment = dict(os.environ)
     try:
         accelerate_config = read_accelerate_config(config_path)
-        accelerate_config.export()  # for the rules, which read what the launch exports (restored below)
-        recipe = load_recipe(recipe_path, overrides, planning=not has_accelerator)
-        data = recipe.data
-        where = "datasets" if data.datasets else "dataset_name"
-        for key, sources in ((where, training_sources(data)), ("eval_datasets", eval_sources(data))):
-            for source in sources:
-                if source.path:
-                    refuse_missing_local_path(source.path, key)
-        take_over_hub_push(recipe.training)
-        world = world_size or accelerate_config.num_processes
-        lint_recipe(recipe, LintContext(world_size=world, has_accelerator=has_accelerator))
+        with accelerate_config.exported():  # for the rules, which read what the launch exports
+            recipe = load_recipe(recipe_path, overrides, planning=not has_accelerator)
+            data = recipe.data
+            where = "datasets" if data.datasets else "dataset_name"
+            for key, sources in ((where, training_sources(data)), ("eval_datasets", eval_sources(data))):
+                for source in sources:
+                    if source.path:
+                        refuse_missing_local_path(source.path, key)
+            take_over_hub_push(recipe.training)
+            world = world_size or accelerate_config.num_processes
+            lint_recipe(recipe, LintContext(world_size=world, has_accelerator=has_accelerator))
     except RecipeError as err:
         return str(err)
-    finally:
-        os.environ.clear()
-        os.environ.update(environment)
     return None
 
 
