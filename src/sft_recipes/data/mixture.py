@@ -180,7 +180,7 @@ class SourceData:
     train: Dataset | IterableDataset
     eval: Dataset | None
     report: MixtureReport
-    raw_train: list[tuple[Dataset | IterableDataset, str]]  # each source's raw training rows and dataset_format
+    raw_train: list[tuple[Dataset | IterableDataset, str]]  # each source's raw rows (image rows: checked), format
     raw_eval: list[tuple[Dataset, str]]  # the same for the eval rows
 
 
@@ -214,9 +214,10 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
             eval_parts.append((source, fmt.as_trained(held_out)))
         rows = fmt.as_trained(rows)  # after the split: the same rows are held out whatever shape they train in
         good_rows = without_marked_rows(rows) if marked else rows  # as the format's own checks read them
-        raw_train.append((good_rows, source.dataset_format))
         if fmt.vision:  # image files checked (drops counted) and stored as records, relative paths resolved
             rows = with_images_checked(rows, source, checked)
+        # The sample prompts' rows: image rows as checked, so that a prompt's images are found and readable
+        raw_train.append((rows if fmt.vision else good_rows, source.dataset_format))
         if packs:  # the packed stream reads and tokenizes the conversations
             fmt.check_trainable(good_rows, tokenizer, tokenization)
             if streaming:

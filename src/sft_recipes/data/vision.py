@@ -258,17 +258,23 @@ class VisionProcessing:
         positions = mrope_positions(self.config, torch.tensor(input_ids), grid)
         return VisionExample(input_ids, labels, pixel_values, grid, positions)
 
-
-    def prompt_inputs(self, conversation: list[dict[str, Any]], images: list[Image.Image]) -> dict[str, torch.Tensor]:
-        """`generate` inputs for a flat conversation ending in a user turn about `images` (chat.py --image): the
-        template's generation prompt, image tokens expanded; the model computes its positions (mm_token_type_ids)."""
+    def prompt_example(self, conversation: list[dict[str, Any]], images: list[Image.Image],
+                       **template_kwargs: Any) -> VisionExample:
+        """A flat conversation ending in a user turn about `images`, with the template's generation prompt, as
+        `examples` renders a training row: image tokens expanded, the model's own positions (nothing supervised)."""
         ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True)["input_ids"]
+                                                 return_dict=True, **template_kwargs)["input_ids"]
         if ids.count(self.image_token_id) != len(images):
             raise ValueError(f"The prompt has {ids.count(self.image_token_id)} image placeholders for {len(images)} "
                              "images.")
         pixel_values, grid = self.encode_images(images)
-        example = self.expanded(ids, [0] * len(ids), pixel_values, grid)
+        return self.expanded(ids, [0] * len(ids), pixel_values, grid)
+
+    def prompt_inputs(self, conversation: list[dict[str, Any]], images: list[Image.Image]) -> dict[str, torch.Tensor]:
+        """`generate` inputs for a flat conversation ending in a user turn about `images` (chat.py --image): the
+        template's generation prompt, image tokens expanded; the model computes its positions (mm_token_type_ids)."""
+        example = self.prompt_example(conversation, images)
+        pixel_values, grid = example.pixel_values, example.image_grid_thw
         input_ids = torch.tensor([example.input_ids])
         inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
         if images:
@@ -305,6 +311,8 @@ def packed_position_ids(text_positions: torch.Tensor, mrope: list[torch.Tensor])
         tail = text[positions.shape[1]:].expand(3, -1)
         rows.append(torch.cat([text[None], torch.cat([positions, tail], dim=1)]))
     return torch.stack(rows, dim=1)
+
+
 def first_example_inputs(block: dict[str, Any], image_token_id: int) -> dict[str, torch.Tensor]:
     """A packed image block's first example as the model takes it alone (the export's reload check): its tokens,
     its own images' patches and grids, and ``mm_token_type_ids`` so that the model computes its positions."""

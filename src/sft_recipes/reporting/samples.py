@@ -5,6 +5,8 @@ trains (`prompt_style`): the chat template for chat formats, the alpaca seed's `
 ### Response:` text for alpaca data, the bare text for text data; a model asked in a format it was
 not trained on answers in the one it was (every alpaca-trained answer began with `### Response:`).
 A tiny random stand-in (`tiny:...`) says so at the top of samples.md: its answers are noise by design.
+Image runs also answer prompts about images (a batch of one each, with the model's own multimodal positions):
+`vision_samples.py` says where they come from and how they are rendered.
 How it stays cheap and hang-free under FSDP2:
 
 - before training on accelerators (`BaseSamplesCallback`, at `on_train_begin` of a fresh run): every rank runs the
@@ -38,6 +40,9 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from sft_recipes.architectures.sequence_parallel import sequence_parallel_suspended
+from sft_recipes.reporting.vision_samples import (
+    ImagePrompt, prompt_json, recipe_image_prompt, row_image_prompt, shown_prompt,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +50,15 @@ SAMPLES_FILE = "samples.md"
 BEFORE_FILE = "samples_before.json"  # the base model's answers, kept for the end of a resumed run
 DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_PROMPT_COUNT = 3
-SourceRows = tuple[Iterable[dict], str]  # one source's raw rows and their dataset_format
+SourceRows = tuple[Iterable[dict], str]  # one source's raw rows (image rows: as checked) and their dataset_format
+Prompt = str | ImagePrompt
 
 
-def user_turn(row: dict[str, Any], dataset_format: str) -> str | None:
-    """The first user turn of a raw row (alpaca: instruction, then its input), None when it has none."""
+def user_turn(row: dict[str, Any], dataset_format: str) -> Prompt | None:
+    """The first user turn of a raw row (alpaca: instruction, then its input; an image row: with its images),
+    None when it has none."""
+    if dataset_format == "vision_messages":
+        return row_image_prompt(row)
     if dataset_format == "alpaca":
         return row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
     if dataset_format == "text":
@@ -58,7 +67,7 @@ def user_turn(row: dict[str, Any], dataset_format: str) -> str | None:
 
 
 def default_sample_prompts(eval_sources: list[SourceRows], train_sources: list[SourceRows],
-                           count: int = DEFAULT_PROMPT_COUNT) -> list[str]:
+                           count: int = DEFAULT_PROMPT_COUNT) -> list[Prompt]:
     """The first `count` user turns of the held-out eval rows when there are any, else of the training rows.
 
     Each list holds (rows, dataset_format) per source; a mixture's prompts are taken from its sources in turn,
@@ -71,7 +80,7 @@ def default_sample_prompts(eval_sources: list[SourceRows], train_sources: list[S
     return []
 
 
-def _user_turns(rows: Iterable[dict], dataset_format: str, count: int) -> list[str]:
+def _user_turns(rows: Iterable[dict], dataset_format: str, count: int) -> list[Prompt]:
     turns = []
     for row in rows:
         if turn := user_turn(row, dataset_format):
@@ -120,10 +129,12 @@ def answers_in_lockstep(training_args) -> bool:
 
 
 def sample_prompts_for_run(training_args, train_sources: list[SourceRows], eval_sources: list[SourceRows] = ()
-                           ) -> list[str]:
-    """The recipe's `sample_prompts`, else the defaults from the data ([] turns samples off)."""
+                           ) -> list[Prompt]:
+    """The recipe's `sample_prompts` (a mapping is a prompt about images: `vision_samples.recipe_image_prompt`), else
+    the defaults from the data ([] turns samples off)."""
     if training_args.sample_prompts is not None:
-        return list(training_args.sample_prompts)
+        return [prompt if isinstance(prompt, str) else recipe_image_prompt(prompt, index)
+                for index, prompt in enumerate(training_args.sample_prompts)]
     return default_sample_prompts(list(eval_sources), train_sources)
 
 
@@ -154,18 +165,23 @@ def stop_token_ids(model, tokenizer) -> set[int]:
 @torch.no_grad()
 @sequence_parallel_suspended()  # generation gives each rank whole prompts, never chunks of a packed block
 def greedy_generate(model, prompts_ids: list[list[int]], max_new_tokens: int, stop_ids: set[int], pad_id: int,
-                    in_lockstep: bool = False) -> list[list[int]]:
+                    in_lockstep: bool = False, prefill: dict[str, torch.Tensor] | None = None) -> list[list[int]]:
     """Greedy continuations of all prompts at once (left-padded batch, KV cache): one forward call per new token.
 
     Returns each prompt's new token ids, its stop token included when reached. `in_lockstep`: every rank of
     the default process group calls this with the same prompts; rank 0's tokens are broadcast each step, so
     all ranks make the same number of forward calls (under FSDP2, each gathers the layers once per token).
+    `prefill`: more inputs of the first forward (one image prompt: its pixels, and its position_ids [4, 1, L]
+    in place of the text positions). Each new token's position is the previous maximum + 1 on every row.
     """
     device = next(model.parameters()).device
     longest = max(len(ids) for ids in prompts_ids)
     input_ids = torch.tensor([[pad_id] * (longest - len(ids)) + ids for ids in prompts_ids], device=device)
     attention_mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in prompts_ids], device=device)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    prefill = {key: value.to(device) for key, value in (prefill or {}).items()}
+    position_ids = prefill.pop("position_ids", None)
+    if position_ids is None:
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     generated: list[list[int]] = [[] for _ in prompts_ids]
     done = torch.zeros(len(prompts_ids), dtype=torch.bool, device=device)
     stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
@@ -175,7 +191,8 @@ def greedy_generate(model, prompts_ids: list[list[int]], max_new_tokens: int, st
     try:
         for _ in range(max_new_tokens):
             output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           past_key_values=past, use_cache=True)
+                           past_key_values=past, use_cache=True, **prefill)
+            prefill = {}
             past = output.past_key_values
             next_tokens = output.logits[:, -1, :].argmax(dim=-1)
             if in_lockstep:
@@ -188,25 +205,33 @@ def greedy_generate(model, prompts_ids: list[list[int]], max_new_tokens: int, st
                 break
             input_ids = next_tokens.unsqueeze(-1)
             attention_mask = torch.cat([attention_mask, torch.ones_like(input_ids)], dim=-1)
-            position_ids = position_ids[:, -1:] + 1
+            position_ids = position_ids.amax(dim=-1, keepdim=True) + 1
     finally:
         model.train(was_training)
     return generated
 
 
-def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+def generate_answers(model, tokenizer, prompts: list[Prompt], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                      in_lockstep: bool = False, chat_template_kwargs: dict | None = None, style: str = "chat"
                      ) -> list[str]:
-    if not prompts:
-        return []
-    prompts_ids = [prompt_ids(tokenizer, prompt, style, chat_template_kwargs) for prompt in prompts]
+    """The text prompts in one batch, then each image prompt alone (its `prefill` made by `vision_samples.prepared`)."""
+    texts = [index for index, prompt in enumerate(prompts) if isinstance(prompt, str)]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    generated = greedy_generate(model, prompts_ids, max_new_tokens, stop_token_ids(model, tokenizer), pad_id,
-                                in_lockstep)
-    return [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in generated]
+    stops = stop_token_ids(model, tokenizer)
+    generated: dict[int, list[int]] = {}
+    if texts:
+        prompts_ids = [prompt_ids(tokenizer, prompts[index], style, chat_template_kwargs) for index in texts]
+        generated.update(zip(texts, greedy_generate(model, prompts_ids, max_new_tokens, stops, pad_id, in_lockstep)))
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, ImagePrompt):
+            assert prompt.prefill is not None, "an image prompt is answered once prepared (vision_samples.prepared)"
+            prefill = dict(prompt.prefill)
+            ids = prefill.pop("input_ids")[0].tolist()
+            [generated[index]] = greedy_generate(model, [ids], max_new_tokens, stops, pad_id, in_lockstep, prefill)
+    return [tokenizer.decode(generated[index], skip_special_tokens=True).strip() for index in range(len(prompts))]
 
 
-def samples_markdown(prompts: list[str], before: list[str] | None, after: list[str], style: str = "chat",
+def samples_markdown(prompts: list[Prompt], before: list[str] | None, after: list[str], style: str = "chat",
                      stand_in_note: str | None = None) -> str:
     def quoted(text: str) -> str:
         return "\n".join(f"> {line}" for line in (text or "(empty)").splitlines()) or "> (empty)"
@@ -215,14 +240,14 @@ def samples_markdown(prompts: list[str], before: list[str] | None, after: list[s
     if stand_in_note:
         parts.append(f"**Note:** {stand_in_note}\n")
     for index, prompt in enumerate(prompts):
-        parts.append(f"## {index + 1}. Prompt\n\n{quoted(prompt)}\n")
+        parts.append(f"## {index + 1}. Prompt\n\n{quoted(shown_prompt(prompt))}\n")
         base_answer = quoted(before[index]) if before else "> (not generated)"
         parts.append(f"**Before training (base model)**\n\n{base_answer}\n")
         parts.append(f"**After training (reloaded export)**\n\n{quoted(after[index])}\n")
     return "\n".join(parts)
 
 
-def timed_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, in_lockstep: bool = False,
+def timed_answers(model, tokenizer, prompts: list[Prompt], max_new_tokens: int, in_lockstep: bool = False,
                   chat_template_kwargs: dict | None = None, style: str = "chat") -> list[str]:
     started = time.perf_counter()
     answers = generate_answers(model, tokenizer, prompts, max_new_tokens, in_lockstep, chat_template_kwargs, style)
@@ -230,12 +255,13 @@ def timed_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, in_
     return answers
 
 
-def save_base_answers(output_dir: str | Path, prompts: list[str], answers: list[str]) -> None:
+def save_base_answers(output_dir: str | Path, prompts: list[Prompt], answers: list[str]) -> None:
     Path(output_dir).mkdir(parents=True, exist_ok=True)
-    (Path(output_dir) / BEFORE_FILE).write_text(json.dumps({"prompts": prompts, "answers": answers}, indent=2))
+    (Path(output_dir) / BEFORE_FILE).write_text(json.dumps({"prompts": [prompt_json(prompt) for prompt in prompts],
+                                                            "answers": answers}, indent=2))
 
 
-def write_base_samples(output_dir: str | Path, prompts: list[str], model, tokenizer,
+def write_base_samples(output_dir: str | Path, prompts: list[Prompt], model, tokenizer,
                        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, chat_template_kwargs: dict | None = None,
                        style: str = "chat") -> None:
     """Rank 0, on the loaded base model before any sharding; kept when a resumed run finds it already written."""
@@ -252,7 +278,7 @@ class BaseSamplesCallback(TrainerCallback):
     no longer the base).
     """
 
-    def __init__(self, prompts: list[str], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    def __init__(self, prompts: list[Prompt], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                  chat_template_kwargs: dict | None = None, style: str = "chat") -> None:
         self.prompts = prompts
         self.max_new_tokens = max_new_tokens
@@ -269,7 +295,7 @@ class BaseSamplesCallback(TrainerCallback):
             save_base_answers(args.output_dir, self.prompts, answers)
 
 
-def write_samples(output_dir: str | Path, prompts: list[str], model, tokenizer,
+def write_samples(output_dir: str | Path, prompts: list[Prompt], model, tokenizer,
                   max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, chat_template_kwargs: dict | None = None,
                   style: str = "chat", stand_in_note: str | None = None) -> Path:
     """Rank 0, after the export check: the reloaded export's answers beside the base's, into samples.md."""
@@ -280,7 +306,7 @@ def write_samples(output_dir: str | Path, prompts: list[str], model, tokenizer,
     before = None
     if before_file.is_file():
         saved = json.loads(before_file.read_text())
-        before = saved["answers"] if saved["prompts"] == prompts else None
+        before = saved["answers"] if saved["prompts"] == [prompt_json(prompt) for prompt in prompts] else None
     path = output_dir / SAMPLES_FILE
     path.write_text(samples_markdown(prompts, before, after, style, stand_in_note))
     return path

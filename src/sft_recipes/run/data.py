@@ -20,7 +20,8 @@ from sft_recipes.data.stream_reads import StreamedRowDropsCallback
 from sft_recipes.data.vision import VisionBlockCollator, VisionBlockStream, VisionProcessing
 from sft_recipes.distributed import prepared_once_per_cache
 from sft_recipes.errors import RecipeError
-from sft_recipes.reporting.samples import sample_prompts_for_run
+from sft_recipes.reporting.samples import Prompt, sample_prompts_for_run
+from sft_recipes.reporting.vision_samples import prepared_prompts
 from sft_recipes.run.setup import Run
 
 
@@ -30,7 +31,7 @@ class RunData:
     block_stream: RankLocalBlockStream | None  # this rank's packed blocks (`pack_blocks: true`)
     collator: Callable | None  # the one that goes with the blocks; None: TRL's own
     report: DataReport | MixtureReport
-    sample_prompts: list[str]  # answered before and after training (samples.md); [] = none
+    sample_prompts: list[Prompt]  # answered before and after training (samples.md); [] = none
     # With a block stream: takes its counts summed over ranks after every step, refuses too many drops
     count_stream: Callable | None = None
     # A stream read unpacked (TRL's pipeline): its rows and drops summed over ranks after every step, limit enforced
@@ -58,9 +59,10 @@ def build_data(run: Run, tokenizer) -> RunData:
     with prepared_once_per_cache():  # once per datasets cache (shared or node-local), not per rank
         sources = source_data(run, tokenizer)
     report = sources.report
+    processing = vision_processing(run, tokenizer) if run.has_images else None
     if run.packs_blocks and run.has_images:  # whole examples with their pixels and own mRoPE positions
         block_stream = VisionBlockStream(
-            sources.train, vision_processing(run, tokenizer), training.max_length, *run.data_reader,
+            sources.train, processing, training.max_length, *run.data_reader,
             template_kwargs=run.tokenization.template_kwargs, packing_window=data_args.packing_window,
             num_sources=len(report.sources),
         )
@@ -83,9 +85,12 @@ def build_data(run: Run, tokenizer) -> RunData:
         print(report.format(), flush=True)
         print(describe_eval(sources.eval), flush=True)
     report.enforce(data_args.max_dropped_share)
+    # Image prompts rendered now, as the run renders its rows (their images read at start: a bad path stops here)
+    sample_prompts = prepared_prompts(sample_prompts_for_run(training, sources.raw_train, sources.raw_eval),
+                                      processing, run.tokenization.template_kwargs)
     return RunData(train=None if run.packs_blocks else sources.train, block_stream=block_stream, collator=collator,
-                   report=report, sample_prompts=sample_prompts_for_run(training, sources.raw_train, sources.raw_eval),
-                   count_stream=count_stream, stream_reads=stream_reads, eval=sources.eval)
+                   report=report, sample_prompts=sample_prompts, count_stream=count_stream,
+                   stream_reads=stream_reads, eval=sources.eval)
 
 
 def vision_processing(run: Run, tokenizer) -> VisionProcessing:

@@ -16,7 +16,9 @@ from sft_recipes.hsdp import MeshCheck, launched_mesh
 from sft_recipes.metrics import ThroughputMeter
 from sft_recipes.reporting.console import use_step_lines
 from sft_recipes.reporting.curves import TrainingCurvesCallback
-from sft_recipes.reporting.samples import BaseSamplesCallback, answers_in_lockstep, sample_settings, write_base_samples
+from sft_recipes.reporting.samples import (
+    BaseSamplesCallback, Prompt, answers_in_lockstep, sample_settings, write_base_samples,
+)
 from sft_recipes.reporting.summary import RunSummaryCallback
 from sft_recipes.reporting.tracking import DataReportCallback, RecipeParamsCallback, configure_mlflow
 from sft_recipes.run.data import RunData
@@ -34,7 +36,7 @@ class Training:
     layout: str  # what really runs, e.g. "FSDP2 over 2 process(es) on cpu"
     resumed_from: str | None = None
     seconds: float = 0.0
-    sample_prompts: list[str] = field(default_factory=list)  # answered again by the export at the finish
+    sample_prompts: list[Prompt] = field(default_factory=list)  # answered again by the export at the finish
 
     def run(self) -> None:
         """Train, from `resumed_from` when the run continues a checkpoint (chosen by `start_run`); with eval data,
