@@ -38,6 +38,7 @@ def recipe(tmp_path_factory):
 
 
 COMMON = ("--max_steps", "4", "--logging_steps", "1", "--report_to", "none")
+NO_SAMPLES = ("--sample_prompts", "[]")  # the runs only compared for their losses
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +53,8 @@ def test_two_processes_train_like_one_on_the_same_image_blocks(recipe, two_proce
     out, result = two_processes
     assert "image packing preflight passed for qwen3_5" in result.stderr
     assert "vision tower frozen" in result.stderr and "merger trained" in result.stderr
-    launch_sft(recipe, *COMMON, "--max_steps", "3", "--dataloader_num_workers", "2", "--save_steps", "1000",
-               "--output_dir", str(tmp_path / "one"), nproc=1)
+    launch_sft(recipe, *COMMON, *NO_SAMPLES, "--max_steps", "3", "--dataloader_num_workers", "2", "--save_steps",
+               "1000", "--output_dir", str(tmp_path / "one"), nproc=1)
     one, two = read_summary(tmp_path / "one")["losses"], read_summary(out)["losses"]
     assert list(one) == ["1", "2", "3"] and list(two)[:3] == list(one)
     for step, loss in one.items():
@@ -71,6 +72,18 @@ def test_export_reloads_with_its_image_processor_and_reproduces_an_image_example
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3_5ForConditionalGeneration"]
 
 
+def test_samples_ask_the_datas_first_user_turns_with_their_images(two_processes):
+    out, _ = two_processes
+    text = (out / "samples.md").read_text()
+    first = "## 1. Prompt\n\n> [image 1: data/samples/vision/images/000_0.png, 96x64]\n> What colour is the shape?\n"
+    assert first in text
+    assert "> [image 1: data/samples/vision/images/002_0.png, 128x64]" in text and "## 4. Prompt" not in text
+    assert "(not generated)" not in text  # the base model answered before training (rank 0, before sharding)
+    before = json.loads((out / "samples_before.json").read_text())
+    assert before["prompts"][0] == {"text": "<|vision_start|><|image_pad|><|vision_end|>What colour is the shape?",
+                                    "images": ["data/samples/vision/images/000_0.png"]}
+
+
 def test_chat_answers_about_an_image(two_processes):
     out, _ = two_processes
     image = REPO_ROOT / "data" / "samples" / "vision" / "images" / "000_0.png"
@@ -86,7 +99,7 @@ def test_resume_after_preemption_gives_the_same_later_losses(recipe, two_process
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(out / f"checkpoint-{SAVE_EVERY}", resumed / f"checkpoint-{SAVE_EVERY}")
-    launch_sft(recipe, *COMMON, "--dataloader_num_workers", "0", "--save_steps", str(SAVE_EVERY),
+    launch_sft(recipe, *COMMON, *NO_SAMPLES, "--dataloader_num_workers", "0", "--save_steps", str(SAVE_EVERY),
                "--output_dir", str(resumed))
     assert_resume_reproduces(out, resumed, SAVE_EVERY, atol=1e-4)
 

@@ -212,3 +212,44 @@ def test_text_and_image_prompts_answer_as_each_alone(model, processing, square_p
     both = generate_answers(model, tokenizer, ["Hi", square_prompt, "Name a colour."], max_new_tokens=3)
     assert both == [generate_answers(model, tokenizer, [prompt], max_new_tokens=3)[0]
                     for prompt in ("Hi", square_prompt, "Name a colour.")]
+
+
+def _lockstep_worker(rank: int, port: int, out_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from sft_recipes.architectures.qwen3_5 import prepare_for_image_packing
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    config = tiny_config("qwen3_5")
+    processing = VisionProcessing(build_tokenizer("qwen3_5"), tiny_image_processor(config), config)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float().eval()
+    prepare_for_image_packing(model)  # as in an image run: the tower runs (on a blank image) every forward
+    for block in [*model.model.visual.blocks, *model.model.language_model.layers]:
+        fully_shard(block)
+    fully_shard(model)
+    forward_calls = []
+    model.register_forward_hook(lambda *_: forward_calls.append(1))
+    prompt = prepared(image_prompt(IMAGE_PLACEHOLDER + "What colour is the square?",
+                                   [{"bytes": square_on_blue(), "path": None}]), processing)
+    answers = generate_answers(model, processing.tokenizer, ["Hi", prompt], max_new_tokens=4, in_lockstep=True)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"answers": answers, "forward_calls": len(forward_calls)}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.fsdp
+def test_image_prompts_answer_in_lockstep_under_fsdp2_as_in_one_process(model, processing, square_prompt, tmp_path):
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    mp.spawn(_lockstep_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert ranks[0] == ranks[1]  # same answers, same number of forward calls: no rank waits alone
+    assert ranks[0]["answers"] == generate_answers(model, processing.tokenizer, ["Hi", square_prompt], max_new_tokens=4)
