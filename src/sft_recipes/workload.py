@@ -617,10 +617,11 @@ def format_problems(path: str | Path, problems: list[Problem]) -> list[str]:
     return [f"{'warning' if p.warning else 'error'}: {path}: {p.message}" for p in problems]
 
 
-def dry_run_as_the_workload(path: str | Path, overrides: list[str]) -> str | None:
+def dry_run_as_the_workload(path: str | Path, overrides: list[str]) -> tuple[str, str | None]:
     """`scripts/sft.py RECIPE --dry-run --workload PATH`: the same check (its lines on stderr, RecipeError on any
     error), then the dry run plans what the workload launches: its `parameters:` through HYPERPARAMETERS_PATH
-    (a temporary file, as the runtime writes it) and, returned, the accelerate config its command names.
+    (a temporary file, as the runtime writes it) and, returned, the accelerate config its command names and
+    the GPU its compute.accelerator_type is (None: one the planner has no figures for, e.g. GPU_1xA10).
     A `--model_name_or_path` among the overrides is the config the check plans on too."""
     import atexit
     import tempfile
@@ -642,7 +643,7 @@ def dry_run_as_the_workload(path: str | Path, overrides: list[str]) -> str | Non
     launch = launched(workload["command"], workload.get("env_variables") or {})
     code_source = workload.get("code_source") or {}
     root = Path(path).parent / str(code_source.get("snapshot", code_source).get("root_path") or ".")
-    return str(Path(os.path.relpath(root / launch.config)))
+    return str(Path(os.path.relpath(root / launch.config))), PLANNED_GPU.get(workload["compute"]["accelerator_type"])
 
 
 def main(argv: list[str] | None = None) -> int:
