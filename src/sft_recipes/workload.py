@@ -494,7 +494,7 @@ def cross_file_problems(workload: Mapping, workload_path: Path, model_config: st
 
     `sound`: which sections passed the runtime's rules (default: all); a rule that reads a broken section is
     skipped, the section's own line already says what to fix."""
-    from sft_recipes.config import SECRET_KEYS, _field_owners, load_recipe
+    from sft_recipes.config import SECRET_KEYS, load_recipe, recipe_field_owners
 
     sound = {key: True for key in ("compute", "environment", "launch")} | dict(sound or {})
     env_variables = workload.get("env_variables") or {}
@@ -506,7 +506,7 @@ def cross_file_problems(workload: Mapping, workload_path: Path, model_config: st
     root = (workload_path.parent / str(snapshot.get("root_path") or ".")).resolve()
     problems: list[Problem] = []
 
-    owners = _field_owners()
+    owners = recipe_field_owners()
     for key in parameters:
         if key in SECRET_KEYS:
             problems.append(Problem(f"parameters.{key} would write a secret into the run's arguments: remove it and "
