@@ -22,8 +22,8 @@ detect_local_world_size() {
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     nvidia-smi -L | wc -l
   else
-    # No GPU: the config's processes per machine.
-    awk '/^num_processes:/ {p=$2} /^num_machines:/ {m=$2} END {print int(p / (m ? m : 1))}' "$config"
+    # No GPU: the config's processes per machine (num_processes / num_machines), read as accelerate reads it.
+    python -m sft_recipes.launch processes-per-node "$config"
   fi
 }
 
@@ -31,7 +31,7 @@ NUM_NODES=${NUM_NODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
-LOCAL_WORLD_SIZE=${LOCAL_WORLD_SIZE:-$(detect_local_world_size)}
+LOCAL_WORLD_SIZE=${LOCAL_WORLD_SIZE:-$(detect_local_world_size)} || exit 2  # a config it cannot read: its error: line
 WORLD_SIZE=$((NUM_NODES * LOCAL_WORLD_SIZE))
 
 # Before any process starts: a GPU recipe on a machine without GPUs, or a recipe (with these overrides) the

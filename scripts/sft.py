@@ -41,7 +41,8 @@ def parse_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         "sft_recipes.workload check` does) and plan with its parameters and accelerate config")
     parser.add_argument("--gpu", choices=("H100", "H200", "B200", "B300"),
                         help="with --dry-run: the GPU the communication estimate, layout comparison and suggestions are "
-                             "for (default: the one the recipe's first header line names, else H100)")
+                             "for (default: the --workload's accelerator_type, else the one the recipe's first header "
+                             "line names, else H100)")
     parser.add_argument("--intra_node_gbps", type=float,
                         help="with --dry-run: NVLink Gb/s per GPU each way (default: the --gpu's, docs/planner.md)")
     parser.add_argument("--inter_node_gbps", type=float,
@@ -55,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     cli, overrides = parse_command_line(sys.argv[1:] if argv is None else argv)
     if cli.dry_run:  # lint + plan, in seconds, without GPUs or weights
-        if cli.workload:  # the workload check, then the plan of what it launches
-            cli.config_file = cli.config_file or dry_run_as_the_workload(cli.workload, overrides)
+        if cli.workload:  # the workload check, then the plan of what it launches, on the GPU it asks for
+            config_file, gpu = dry_run_as_the_workload(cli.workload, overrides)
+            cli.config_file, cli.gpu = cli.config_file or config_file, cli.gpu or gpu
         print(plan_dry_run(cli.recipe, overrides, cli.config_file, cli.world_size, cli.plan_json, cli.gpu,
                            cli.intra_node_gbps, cli.inter_node_gbps))
         return 0

@@ -63,3 +63,15 @@ def test_process_group_is_destroyed_however_the_script_exits(exit_code):
             raise SystemExit(exit_code)
     assert exited.value.code == exit_code
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("teardown", ["ours", "torch's"])
+def test_a_finished_run_leaves_no_gloo_thread_to_interpreter_exit(teardown, tmp_path):
+    """The threads behind the SIGABRT after a clean run ("terminate called without an active exception"): torch's
+    destroy_process_group() leaves them running (DTensor's caches keep the device mesh and its groups alive);
+    ours stops them. The torch case stays as the proof that the test sees the threads at all."""
+    from backend_threads_worker import gloo_threads_after
+
+    for rank in gloo_threads_after("ours" if teardown == "ours" else "torch", tmp_path, free_port()):
+        assert rank["during"].count("pt_gloo_runloop") >= 2 and "gloo_tcp_loop" in rank["during"], rank
+        assert rank["after"] == ([] if teardown == "ours" else rank["during"]), rank

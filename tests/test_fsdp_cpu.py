@@ -191,6 +191,9 @@ def test_run_writes_curves_samples_and_card_and_logs_them_to_mlflow(runs):
         "num_input_tokens_seen"] for name in ("full", "one", "two")}
     assert seen["full"] == seen["one"] == seen["two"] > STEPS * 16  # 16 rows per step, each more than one token
     assert f"| tokens seen | {seen['full']:,} (input tokens of the steps run, padding left out) |" in card.text
+    for name in ("full", "two"):  # TRL's own num_tokens started again from 0 on the resume
+        history = json.loads((runs["root"] / name / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())["log_history"]
+        assert [entry for entry in history if "loss" in entry][-1]["num_tokens"] == seen[name], name
     samples = (full / "samples.md").read_text()
     assert samples.count("**Before training (base model)**") == 3 and "(not generated)" not in samples
     # Asked as the alpaca rows were trained (before: the chat template, and every answer began "### Response:")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT
-from sft_recipes.config import _field_owners, load_recipe
+from sft_recipes.config import load_recipe, recipe_field_owners
 from sft_recipes.launch import header_accelerate_config
 
 NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.py"))
@@ -75,5 +75,5 @@ def test_notebook_trains_a_shipped_recipe_with_its_header_config_from_a_distribu
     assert ast.unparse(call.args[0]) == "f'{REPO}/{RECIPE}'"
     keywords = {keyword.arg: ast.unparse(keyword.value) for keyword in call.keywords}
     assert keywords.pop("accelerate_config") == "f'{REPO}/{ACCELERATE_CONFIG}'"
-    assert set(keywords) <= set(_field_owners()), "train() overrides must be recipe keys"
+    assert set(keywords) <= set(recipe_field_owners()), "train() overrides must be recipe keys"
     assert f"{function.name}.distributed()" in ast.unparse(tree)

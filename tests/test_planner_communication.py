@@ -190,3 +190,17 @@ def test_a_layout_change_names_the_config_to_launch_with():
     assert hsdp_config_name(MeshLayout(3, 8, 3), "accelerate_configs/fsdp2_2node.yaml") == (
         "a copy of accelerate_configs/fsdp2_2node.yaml with parallelism_config: "
         "{parallelism_config_dp_replicate_size: 3, parallelism_config_dp_shard_size: 8}")
+
+
+def test_a_suggested_launch_runs_on_the_config_it_needs():
+    from sft_recipes.layouts import suggested_launch
+
+    command = ".venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_2node.yaml scripts/sft.py recipes/llama8b.yaml"
+    assert suggested_launch(command, ("--max_length", "4096"), None) == [f"{command} --max_length 4096"]
+    assert suggested_launch(command, (), "accelerate_configs/hsdp_2node.yaml") == [
+        command.replace("fsdp2_2node.yaml", "hsdp_2node.yaml")]
+    edited = "a copy of accelerate_configs/fsdp2_2node.yaml with fsdp_activation_checkpointing: false"
+    assert suggested_launch(command, ("--per_device_train_batch_size", "2"), edited) == [
+        command.replace("accelerate_configs/fsdp2_2node.yaml", "my_accelerate_config.yaml")
+        + " --per_device_train_batch_size 2",
+        f"my_accelerate_config.yaml: {edited}"]  # never the old config beside "a copy of" it

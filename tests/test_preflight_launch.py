@@ -74,3 +74,16 @@ def test_recipe_check_passes_every_shipped_cpu_launch():
 
     for recipe in sorted((REPO_ROOT / "recipes" / "tiny").glob("*.yaml")):
         assert recipe_refusal("accelerate_configs/fsdp2_cpu.yaml", str(recipe), [], None, has_accelerator=False) is None
+
+
+def test_a_config_the_launch_script_cannot_read_is_one_line_before_torchrun():
+    env = {"PATH": f"{Path(bin_path('python')).parent}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": ""}
+    result = run_command(["bash", str(REPO_ROOT / "scripts" / "launch_multinode.sh"), "accelerate_configs/fsdp2_cpus.yaml",
+                          "recipes/tiny/llama8b.yaml"], env=env)
+    _refused_before_any_process(result, "accelerate config not found: accelerate_configs/fsdp2_cpus.yaml")
+
+
+@pytest.mark.parametrize(("config", "per_node"), [("fsdp2_cpu.yaml", "2"), ("fsdp2_2node.yaml", "8"), ("hsdp_cpu.yaml", "4")])
+def test_processes_per_node_is_what_the_launch_script_starts_without_gpus(config, per_node):
+    result = run_command([bin_path("python"), "-m", "sft_recipes.launch", "processes-per-node", f"accelerate_configs/{config}"])
+    assert (result.returncode, result.stdout.strip()) == (0, per_node), result.stderr

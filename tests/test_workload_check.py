@@ -184,6 +184,8 @@ def test_dry_run_with_workload_checks_it_and_plans_its_parameters(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "SP 4: 2 groups of 4 devices" in result.stdout  # the workload's parameters, as HYPERPARAMETERS_PATH
     assert re.search(r"H100\s+79\.6\s+yes", result.stdout)
+    # The workload's GPU_8xH100, not the recipe header's B300, is what the estimate and suggestions are for.
+    assert "communication per optimizer step per GPU on H100 (--gpu)" in result.stdout
     broken = broken_copy(tmp_path, _set("compute.accelerator_type", "GPU_8xA100"))
     result = run_command([*command, "--workload", str(broken)])
     assert result.returncode == 2

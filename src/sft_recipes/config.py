@@ -245,7 +245,8 @@ class Recipe:
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-def _field_owners() -> dict[str, list[type]]:
+def recipe_field_owners() -> dict[str, list[type]]:
+    """Every recipe key, with the argument dataclasses that take it (a key such as `seed` belongs to more than one)."""
     owners: dict[str, list[type]] = {}
     for cls in RECIPE_DATACLASSES:
         for f in dataclasses.fields(cls):
@@ -422,7 +423,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
     missing_env: list[str] = []
     values = {key: interpolate_env(value, missing_env) for key, value in values.items()}
 
-    owners = _field_owners()
+    owners = recipe_field_owners()
     hints = {cls: _type_hints(cls) for cls in RECIPE_DATACLASSES}
     problems: list[str] = []
     if missing_env:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 from collections.abc import Iterator
 
 import torch
+import torch.distributed.nn.functional  # noqa: F401 -- before any group exists (destroy_process_groups says why)
 from accelerate.state import AcceleratorState, DistributedType, PartialState
 from sft_recipes.errors import RecipeError
 
@@ -43,18 +45,39 @@ def launched_world_size() -> int:
 
 @contextlib.contextmanager
 def process_group_destroyed_on_exit():
-    """Destroy the default process group (and its subgroups) when the block exits, however it exits.
-
-    A process that leaves it to interpreter shutdown can die with SIGABRT after a clean run: gloo's
-    worker threads still hold work objects whose tensors need the GIL while the interpreter is
-    being torn down (pytorch PR #179291, abandoned). Seen here as a rank exiting -6 after its
-    export, which turned a finished run -- or a preemption's exit 75 -- into a failure.
-    """
+    """Destroy the default process group (and its subgroups) when the block exits, however it exits, and stop
+    their backends' threads while the interpreter is still whole (`destroy_process_groups`)."""
     try:
         yield
     finally:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        destroy_process_groups()
+
+
+def destroy_process_groups() -> None:
+    """`destroy_process_group()`, and the backends' threads stopped now rather than at interpreter exit.
+
+    A process that leaves those threads to interpreter shutdown can die with SIGABRT after a clean run
+    ("terminate called without an active exception", exit -6 after the model card: gloo's worker threads
+    still hold work objects whose tensors need the GIL while the interpreter is torn down; pytorch PR
+    #179291, abandoned). `destroy_process_group()` alone does not stop them: it drops c10d's references,
+    but every DeviceMesh keeps its groups in `_pg_registry` (torch 2.13), and the meshes outlive the run in
+    DTensor's sharding-propagation and redistribute caches (lru caches holding DTensorSpecs). Measured at
+    exit of a 2-process FSDP2 run on gloo: `gloo_tcp_loop` and two `pt_gloo_runloop` threads alive after
+    destroy_process_group() and gc.collect(); none once the meshes' registries are emptied, because the
+    last reference to each group goes and its destructor joins the threads. A second holder: the collectives
+    of `torch.distributed.nn.functional` take `group=group.WORLD` as a default argument, evaluated when the
+    module is imported -- imported after the group exists (`torch.distributed.fsdp` imports it), they keep
+    the default group for the life of the process; this module imports it first, while no group exists.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    torch.distributed.destroy_process_group()
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for candidate in gc.get_objects():  # meshes are reachable only through torch's caches: find them all
+        if isinstance(candidate, DeviceMesh):
+            getattr(candidate, "_pg_registry", {}).clear()
+    gc.collect()
 
 
 @contextlib.contextmanager

@@ -16,7 +16,8 @@ leaves behind that would break the next call in the same process (traps found he
   recipe into the first one's run, where MLflow refuses changed params);
 - accelerate's singletons (`PartialState`, `AcceleratorState`, `GradientState`): they keep the first
   run's distributed type, FSDP plugin and mixed precision, and a second Accelerator silently reuses them;
-- the default process group (and its subgroups: sequence parallelism), when this call created it, after
+- the default process group (and its subgroups: sequence parallelism; their backends' threads too,
+  `distributed.destroy_process_groups`), when this call created it, after
   every rank got there; one the caller made before the call is the caller's and stays. The group is made
   here, over one rendezvous store per process (on MASTER_PORT, kept for the next call) with a key prefix
   per call (`_start_process_group` says why);
@@ -38,6 +39,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from sft_recipes.distributed import destroy_process_groups
 from sft_recipes.errors import RecipeError
 from sft_recipes.launch import read_accelerate_config
 
@@ -210,7 +212,7 @@ def in_process_launch(accelerate_config: str | os.PathLike | None) -> Iterator[N
             _reset_accelerate_state()
             if not group_before and dist.is_available() and dist.is_initialized():
                 _leave_together()
-                dist.destroy_process_group()
+                destroy_process_groups()  # and their threads: a notebook calls train() again and again
             gc.collect()  # the trainer, model and optimizer of this call
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

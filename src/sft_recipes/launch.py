@@ -370,3 +370,22 @@ def gpus_needed(config: AccelerateConfig, recipe: Mapping, processes_per_node: i
     if not reasons:
         return 0, ""
     return processes_per_node or config.processes_per_node, ", ".join(reasons)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m sft_recipes.launch processes-per-node CONFIG`: the processes one node of CONFIG starts
+    (num_processes / num_machines), what scripts/launch_multinode.sh starts on a node without GPUs."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("question", choices=["processes-per-node"])
+    parser.add_argument("config", help="an accelerate config file, e.g. accelerate_configs/fsdp2_cpu.yaml")
+    args = parser.parse_args(argv)
+    print(read_accelerate_config(args.config).processes_per_node)
+    return 0
+
+
+if __name__ == "__main__":
+    from sft_recipes.errors import one_line_refusals
+
+    sys.exit(one_line_refusals(main))

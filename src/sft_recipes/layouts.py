@@ -313,13 +313,22 @@ def format_layouts(report: LayoutReport, command: str) -> str:
                      f"{s.micro_batch_size} x {s.seq_len} x {s.gradient_accumulation_steps} accumulation, SP "
                      f"{s.sequence_parallel_size}, checkpointing {'on' if s.activation_checkpointing else 'off'}, "
                      f"offloading {'on' if s.activation_offloading else 'off'} = {sequences} sequences per step")
-        flags = " ".join(option.overrides)
-        shipped = option.accelerate_config and " " not in option.accelerate_config
-        launch = re.sub(r"--config_file \S+", f"--config_file {option.accelerate_config}", command) if shipped else command
-        lines.append(f"      {launch} {flags}".rstrip())
-        if option.accelerate_config and not shipped:
-            lines.append(f"      accelerate config: {option.accelerate_config}")
+        lines += [f"      {line}" for line in suggested_launch(command, option.overrides, option.accelerate_config)]
     return "\n".join(lines)
+
+
+EDITED_CONFIG = "my_accelerate_config.yaml"  # the name a suggested launch gives a config the user must write
+
+
+def suggested_launch(command: str, overrides: tuple[str, ...], accelerate_config: str | None) -> list[str]:
+    """The launch of a suggestion, runnable as printed: `command` with its flags, on the config the layout needs
+    (a shipped one, or EDITED_CONFIG with the line that says what to write into it)."""
+    if not accelerate_config:
+        return [f"{command} {' '.join(overrides)}".rstrip()]
+    shipped = " " not in accelerate_config
+    launch = re.sub(r"--config_file \S+", f"--config_file {accelerate_config if shipped else EDITED_CONFIG}", command)
+    lines = [f"{launch} {' '.join(overrides)}".rstrip()]
+    return lines if shipped else [*lines, f"{EDITED_CONFIG}: {accelerate_config}"]
 
 
 def layout_report(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, nodes: int, gpu: str,

@@ -109,6 +109,11 @@ class RecipeSFTTrainer(TokenWeightedEvalMixin, EndOfDataTogetherMixin, SFTTraine
                 logs.update(self.throughput.report())
             if self.block_stream is not None:  # this rank's running share of real tokens in its blocks
                 logs["packing_efficiency"] = round(self.stream_stats.packing_efficiency, 4)
+            if self.args.include_num_input_tokens_seen != "no" and self._metrics["train"].get("num_tokens"):
+                # TRL 1.16 counts a batch without attention_mask as position_ids.size(1): a block's length once
+                # for a batch of B blocks, the batch size for [4, B, T] mRoPE positions, and from 0 again after
+                # a resume. The real tokens seen, counted once (_track_num_input_tokens, saved in checkpoints):
+                self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
         super().log(logs, start_time)
 
     def train(self, *args, **kwargs):

@@ -494,7 +494,7 @@ def cross_file_problems(workload: Mapping, workload_path: Path, model_config: st
 
     `sound`: which sections passed the runtime's rules (default: all); a rule that reads a broken section is
     skipped, the section's own line already says what to fix."""
-    from sft_recipes.config import SECRET_KEYS, _field_owners, load_recipe
+    from sft_recipes.config import SECRET_KEYS, load_recipe, recipe_field_owners
 
     sound = {key: True for key in ("compute", "environment", "launch")} | dict(sound or {})
     env_variables = workload.get("env_variables") or {}
@@ -506,7 +506,7 @@ def cross_file_problems(workload: Mapping, workload_path: Path, model_config: st
     root = (workload_path.parent / str(snapshot.get("root_path") or ".")).resolve()
     problems: list[Problem] = []
 
-    owners = _field_owners()
+    owners = recipe_field_owners()
     for key in parameters:
         if key in SECRET_KEYS:
             problems.append(Problem(f"parameters.{key} would write a secret into the run's arguments: remove it and "
@@ -617,10 +617,11 @@ def format_problems(path: str | Path, problems: list[Problem]) -> list[str]:
     return [f"{'warning' if p.warning else 'error'}: {path}: {p.message}" for p in problems]
 
 
-def dry_run_as_the_workload(path: str | Path, overrides: list[str]) -> str | None:
+def dry_run_as_the_workload(path: str | Path, overrides: list[str]) -> tuple[str, str | None]:
     """`scripts/sft.py RECIPE --dry-run --workload PATH`: the same check (its lines on stderr, RecipeError on any
     error), then the dry run plans what the workload launches: its `parameters:` through HYPERPARAMETERS_PATH
-    (a temporary file, as the runtime writes it) and, returned, the accelerate config its command names.
+    (a temporary file, as the runtime writes it) and, returned, the accelerate config its command names and
+    the GPU its compute.accelerator_type is (None: one the planner has no figures for, e.g. GPU_1xA10).
     A `--model_name_or_path` among the overrides is the config the check plans on too."""
     import atexit
     import tempfile
@@ -642,7 +643,7 @@ def dry_run_as_the_workload(path: str | Path, overrides: list[str]) -> str | Non
     launch = launched(workload["command"], workload.get("env_variables") or {})
     code_source = workload.get("code_source") or {}
     root = Path(path).parent / str(code_source.get("snapshot", code_source).get("root_path") or ".")
-    return str(Path(os.path.relpath(root / launch.config)))
+    return str(Path(os.path.relpath(root / launch.config))), PLANNED_GPU.get(workload["compute"]["accelerator_type"])
 
 
 def main(argv: list[str] | None = None) -> int:
