@@ -237,13 +237,13 @@ def _lockstep_worker(rank: int, port: int, out_dir: str) -> None:
     model.register_forward_hook(lambda *_: forward_calls.append(1))
     prompt = prepared(image_prompt(IMAGE_PLACEHOLDER + "What colour is the square?",
                                    [{"bytes": square_on_blue(), "path": None}]), processing)
-    answers = generate_answers(model, processing.tokenizer, ["Hi", prompt], max_new_tokens=4, in_lockstep=True)
+    answers = generate_answers(model, processing.tokenizer, [prompt], max_new_tokens=3, in_lockstep=True)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"answers": answers, "forward_calls": len(forward_calls)}, f)
     dist.destroy_process_group()
 
 
-@pytest.mark.fsdp
+@pytest.mark.fsdp  # text prompts in lockstep: tests/test_samples_chat.py
 def test_image_prompts_answer_in_lockstep_under_fsdp2_as_in_one_process(model, processing, square_prompt, tmp_path):
     import torch.multiprocessing as mp
 
@@ -252,4 +252,5 @@ def test_image_prompts_answer_in_lockstep_under_fsdp2_as_in_one_process(model, p
     mp.spawn(_lockstep_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert ranks[0] == ranks[1]  # same answers, same number of forward calls: no rank waits alone
-    assert ranks[0]["answers"] == generate_answers(model, processing.tokenizer, ["Hi", square_prompt], max_new_tokens=4)
+    assert ranks[0]["answers"] == generate_answers(model, processing.tokenizer, [square_prompt], max_new_tokens=3)
+    assert ranks[0]["forward_calls"] == 3  # the prefill with its image, then one per new token
