@@ -189,9 +189,7 @@ class TrainingArguments(SFTConfig):
         metadata={"help": "Module classes FSDP2 shards as one unit each. Default: the accelerate config's "
                   "fsdp_transformer_layer_cls_to_wrap when set, else the model's _no_split_modules (GptOssDecoderLayer)."},
     )
-    # `| str`: HfArgumentParser takes one type per argument and builds none from `str | dict` (a YAML list given
-    # as one string is read in __post_init__, as transformers reads its dict fields)
-    sample_prompts: list[str | dict] | str | None = field(
+    sample_prompts: list[str | dict] | None = field(
         default=None,
         metadata={"help": "User turns answered greedily by the base model before training and by the reloaded export "
                   "after it, side by side in output_dir/samples.md; an image run also takes {text: ..., images: "
@@ -214,8 +212,6 @@ class TrainingArguments(SFTConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.sample_prompts, str):  # HfArgumentParser's `--sample_prompts '[...]'`
-            self.sample_prompts = yaml.safe_load(self.sample_prompts)
         if self.sample_prompts is not None and not (isinstance(self.sample_prompts, list) and all(
                 isinstance(prompt, (str, dict)) for prompt in self.sample_prompts)):
             raise ValueError(f"sample_prompts must be a list of prompts (strings, or {{text: ..., images: [...]}} "
