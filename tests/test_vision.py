@@ -343,3 +343,40 @@ def test_the_mask_audit_shows_image_placeholders_outside_the_supervised_spans(pr
     text = format_report(audit_dataset(rows, processing.tokenizer, 1))
     assert "user\n<|vision_start|><|image_pad|><|vision_end|>What colour is the shape?<|im_end|>" in text
     assert "[[<think>\n\n</think>\n\nIt is blue.<|im_end|>\n]]" in text
+
+
+def test_eval_blocks_pack_whole_examples_and_make_their_pixels_when_read(processing):
+    """Held-out image rows: packed once like the training blocks; a block read twice is the same tensors, equal to
+    its rows' examples joined; a conversation longer than a block is left out, never cut; select keeps blocks."""
+    from sft_recipes.data.formats import Tokenization
+    from sft_recipes.data.mixture import build_source_data
+    from sft_recipes.data.vision_eval import VisionEvalBlocks
+    from sft_recipes.config import load_recipe
+
+    recipe = load_recipe("recipes/tiny/qwen27b-vision.yaml", ["--test_split_size", "0.1"])
+    sources = build_source_data(recipe.data, Tokenization(max_length=None), processing.tokenizer, seed=0,
+                                block_length=128)
+    rows = sources.eval
+    held_out = sources.report.sources[0].eval_rows
+    assert len(rows) == held_out > 2 and rows.column_names == ["messages", "images"]
+    blocks = VisionEvalBlocks(rows, processing, 128)
+    alone = processing.examples([row["messages"] for row in rows], [row["images"] for row in rows])
+    assert sorted(index for plan in blocks.plan for index in plan) == list(range(held_out)) and blocks.left_out == 0
+    assert len(blocks) < held_out  # packed, not one example per block
+    for index, plan in enumerate(blocks.plan):
+        block, again = blocks[index], blocks[index]
+        expected = join_examples([{"input_ids": alone[row].input_ids, "labels": alone[row].labels,
+                                   "pixel_values": alone[row].pixel_values, "image_grid_thw": alone[row].image_grid_thw,
+                                   "mrope_positions": alone[row].mrope_positions} for row in plan])
+        assert block["input_ids"] == expected["input_ids"] and block["labels"] == expected["labels"]
+        assert block["seq_lengths"] == [len(alone[row].input_ids) for row in plan] and sum(block["seq_lengths"]) <= 128
+        for key in ("pixel_values", "image_grid_thw", "mrope_positions"):
+            assert torch.equal(block[key], expected[key]) and torch.equal(again[key], block[key]), key
+        assert block["num_images"].tolist() == [len(alone[row].image_grid_thw) for row in plan]
+    assert blocks.select([len(blocks) - 1]).plan == [blocks.plan[-1]]
+    assert blocks.tokens == sum(len(alone[row].input_ids) for row in range(held_out))
+    assert blocks.describe().startswith(f"[data] eval: {held_out} conversations packed whole into {len(blocks)} blocks, ")
+    longest = max(len(example.input_ids) for example in alone)
+    short = VisionEvalBlocks(rows, processing, longest - 1)  # the longest no longer fits a block: left out
+    assert short.left_out == sum(len(example.input_ids) == longest for example in alone) >= 1
+    assert "left out: unreadable, without an answer, or longer than a block" in short.describe()

@@ -39,12 +39,14 @@ def recipe(tmp_path_factory):
 
 COMMON = ("--max_steps", "4", "--logging_steps", "1", "--report_to", "none")
 NO_SAMPLES = ("--sample_prompts", "[]")  # the runs only compared for their losses
+# Eval on image rows at the end of the run: the sample itself as the eval set (its rows packed whole into blocks)
+EVAL = ("--eval_datasets", "[{path: data/samples/vision/shapes.jsonl, dataset_format: vision_messages}]")
 
 
 @pytest.fixture(scope="module")
 def two_processes(recipe, tmp_path_factory):
     out = tmp_path_factory.mktemp("vision") / "two"
-    result = launch_sft(recipe, *COMMON, "--dataloader_num_workers", "0", "--save_steps", str(SAVE_EVERY),
+    result = launch_sft(recipe, *COMMON, *EVAL, "--dataloader_num_workers", "0", "--save_steps", str(SAVE_EVERY),
                         "--output_dir", str(out))
     return out, result
 
@@ -53,12 +55,15 @@ def test_two_processes_train_like_one_on_the_same_image_blocks(recipe, two_proce
     out, result = two_processes
     assert "image packing preflight passed for qwen3_5" in result.stderr
     assert "vision tower frozen" in result.stderr and "merger trained" in result.stderr
-    launch_sft(recipe, *COMMON, *NO_SAMPLES, "--max_steps", "3", "--dataloader_num_workers", "2", "--save_steps",
-               "1000", "--output_dir", str(tmp_path / "one"), nproc=1)
-    one, two = read_summary(tmp_path / "one")["losses"], read_summary(out)["losses"]
-    assert list(one) == ["1", "2", "3"] and list(two)[:3] == list(one)
-    for step, loss in one.items():
-        assert two[step] == pytest.approx(loss, abs=1e-4), step
+    launch_sft(recipe, *COMMON, *NO_SAMPLES, *EVAL, "--dataloader_num_workers", "2", "--save_steps", "1000",
+               "--output_dir", str(tmp_path / "one"), nproc=1)
+    one, two = read_summary(tmp_path / "one"), read_summary(out)
+    assert list(one["losses"]) == list(two["losses"]) == ["1", "2", "3", "4"]
+    for step, loss in one["losses"].items():
+        assert two["losses"][step] == pytest.approx(loss, abs=1e-4), step
+    # The eval blocks (image rows packed whole, pixels made as read) give one process's eval loss on two.
+    assert "[data] eval: 60 conversations packed whole into" in result.stdout + result.stderr
+    assert 0 < one["eval_loss"] == pytest.approx(two["eval_loss"], abs=1e-4)
 
 
 def test_export_reloads_with_its_image_processor_and_reproduces_an_image_example(two_processes):
@@ -99,9 +104,10 @@ def test_resume_after_preemption_gives_the_same_later_losses(recipe, two_process
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(out / f"checkpoint-{SAVE_EVERY}", resumed / f"checkpoint-{SAVE_EVERY}")
-    launch_sft(recipe, *COMMON, *NO_SAMPLES, "--dataloader_num_workers", "0", "--save_steps", str(SAVE_EVERY),
+    launch_sft(recipe, *COMMON, *NO_SAMPLES, *EVAL, "--dataloader_num_workers", "0", "--save_steps", str(SAVE_EVERY),
                "--output_dir", str(resumed))
     assert_resume_reproduces(out, resumed, SAVE_EVERY, atol=1e-4)
+    assert read_summary(resumed)["eval_loss"] == pytest.approx(read_summary(out)["eval_loss"], abs=1e-4)
 
 
 def test_bad_image_rows_are_counted_and_refused(tmp_path):

@@ -147,8 +147,8 @@ def join_examples(members: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # Per-example tensors that image examples carry into their block (see data/vision.py): patches, grids, t/h/w
-# positions, and how many images each example has.
-EXAMPLE_TENSORS = {"pixel_values": 0, "image_grid_thw": 0, "mrope_positions": 1, "num_images": 0}
+# positions, and how many images each example has; and the eval rows a block is made of (data/vision_eval.py).
+EXAMPLE_TENSORS = {"pixel_values": 0, "image_grid_thw": 0, "mrope_positions": 1, "num_images": 0, "row_index": 0}
 
 
 @dataclass

@@ -128,8 +128,6 @@ def _vision_needs(data_args, key: str) -> list[str]:
     if is_streamed(data_args):
         needs.append("image rows are read map-style (their files checked up front): set streaming and "
                      "dataset_streaming false")
-    if key == "eval_datasets" or data_args.test_split_size:
-        needs.append("eval on image rows is not built yet: drop test_split_size / eval_datasets for image sources")
     return needs
 
 
@@ -211,7 +209,7 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
             if len(held_out) == 0:
                 raise RecipeError(f"test_split_size={data_args.test_split_size} holds out no row of {source.label}: "
                                   "raise test_split_size, or give eval_datasets.")
-            eval_parts.append((source, fmt.as_trained(held_out)))
+            eval_parts.append((source, _eval_rows(fmt.as_trained(held_out), source)))
         rows = fmt.as_trained(rows)  # after the split: the same rows are held out whatever shape they train in
         good_rows = without_marked_rows(rows) if marked else rows  # as the format's own checks read them
         if fmt.vision:  # image files checked (drops counted) and stored as records, relative paths resolved
@@ -229,7 +227,7 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
         train_parts.append(rows)
     for source in eval_sources(data_args):
         rows, _ = _load(source, streaming=False)  # eval data is finite: read whole, never streamed
-        eval_parts.append((source, FORMATS[source.dataset_format].as_trained(rows)))
+        eval_parts.append((source, _eval_rows(FORMATS[source.dataset_format].as_trained(rows), source)))
     entries = report.sources
     if streaming:
         columns = ["messages", SOURCE_FIELD, *([ROW_PROBLEM] if marked else [])] if packs else ["input_ids", "labels"]
@@ -246,7 +244,8 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
             if not packs:
                 entry.tokens, entry.supervised_tokens = token_counts(rows)
         train = concatenate_datasets(drawn).shuffle(seed=seed) if len(drawn) > 1 else drawn[0]
-    return SourceData(train, _eval_dataset(eval_parts, packs, tokenization, tokenizer, block_length), report,
+    return SourceData(train, _eval_dataset(eval_parts, packs, tokenization, tokenizer, block_length,
+                                           images=has_images(data_args)), report,
                       raw_train, [(rows, source.dataset_format) for source, rows in eval_parts])
 
 
@@ -329,10 +328,22 @@ def eval_blocks(rows: Dataset, tokenizer, block_length: int, template_kwargs: di
     return Dataset.from_list(list(fill_blocks(examples, block_length, split_examples=False)))
 
 
+def _eval_rows(rows: Dataset, source: DatasetSource) -> Dataset:
+    """Eval rows in the shape they are evaluated in: an image source's as checked (flat conversations, image
+    records; unreadable images dropped into a report of their own, not the training one)."""
+    if not FORMATS[source.dataset_format].vision:
+        return rows
+    return with_images_checked(rows, source, DataReport(source=f"{source.label} (eval)"))
+
+
 def _eval_dataset(parts: list[tuple[DatasetSource, Dataset]], packs: bool, tokenization: Tokenization, tokenizer,
-                  block_length: int | None) -> Dataset | None:
+                  block_length: int | None, images: bool = False) -> Dataset | None:
+    """The eval rows as the run evaluates them; an image run's stay conversations with their images, which
+    the run packs with the model's image processor (`data/vision_eval.py`)."""
     if not parts:
         return None
+    if packs and images:
+        return concatenate_datasets(with_aligned_messages([rows for _, rows in parts]))
     if packs:
         messages = concatenate_datasets(with_aligned_messages([rows for _, rows in parts]))
         return eval_blocks(messages, tokenizer, block_length, tokenization.template_kwargs)

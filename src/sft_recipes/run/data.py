@@ -18,6 +18,7 @@ from sft_recipes.data.report import DataReport, MixtureReport
 from sft_recipes.data.sources import load_checked_dataset
 from sft_recipes.data.stream_reads import StreamedRowDropsCallback
 from sft_recipes.data.vision import VisionBlockCollator, VisionBlockStream, VisionProcessing
+from sft_recipes.data.vision_eval import VisionEvalBlocks
 from sft_recipes.distributed import prepared_once_per_cache
 from sft_recipes.errors import RecipeError
 from sft_recipes.reporting.samples import Prompt, sample_prompts_for_run
@@ -36,7 +37,7 @@ class RunData:
     count_stream: Callable | None = None
     # A stream read unpacked (TRL's pipeline): its rows and drops summed over ranks after every step, limit enforced
     stream_reads: StreamedRowDropsCallback | None = None
-    eval: Dataset | None = None  # held-out or eval_datasets rows: tokenized, or packed whole into blocks
+    eval: Dataset | VisionEvalBlocks | None = None  # held-out or eval_datasets rows: tokenized, or packed into blocks
 
     @property
     def counted_while_training(self) -> bool:
@@ -60,6 +61,7 @@ def build_data(run: Run, tokenizer) -> RunData:
         sources = source_data(run, tokenizer)
     report = sources.report
     processing = vision_processing(run, tokenizer) if run.has_images else None
+    eval_data = sources.eval
     if run.packs_blocks and run.has_images:  # whole examples with their pixels and own mRoPE positions
         block_stream = VisionBlockStream(
             sources.train, processing, training.max_length, *run.data_reader,
@@ -68,6 +70,8 @@ def build_data(run: Run, tokenizer) -> RunData:
         )
         collator = collate_blocks(VisionBlockCollator(training.max_length, tokenizer.pad_token_id))
         count_stream = partial(report.count_stream, max_dropped_share=data_args.max_dropped_share)
+        if eval_data is not None:  # packed like the training blocks, pixels made as each block is read
+            eval_data = VisionEvalBlocks(eval_data, processing, training.max_length, run.tokenization.template_kwargs)
     elif run.packs_blocks:  # each rank (x dataloader worker) reads and tokenizes its own shard
         block_stream = RankLocalBlockStream(
             sources.train, tokenizer, training.max_length, *run.data_reader,
@@ -83,14 +87,14 @@ def build_data(run: Run, tokenizer) -> RunData:
                                                 data_args.max_dropped_share)
     if run.is_main:
         print(report.format(), flush=True)
-        print(describe_eval(sources.eval), flush=True)
+        print(eval_data.describe() if isinstance(eval_data, VisionEvalBlocks) else describe_eval(eval_data), flush=True)
     report.enforce(data_args.max_dropped_share)
     # Image prompts rendered now, as the run renders its rows (their images read at start: a bad path stops here)
     sample_prompts = prepared_prompts(sample_prompts_for_run(training, sources.raw_train, sources.raw_eval),
                                       processing, run.tokenization.template_kwargs)
     return RunData(train=None if run.packs_blocks else sources.train, block_stream=block_stream, collator=collator,
                    report=report, sample_prompts=sample_prompts, count_stream=count_stream,
-                   stream_reads=stream_reads, eval=sources.eval)
+                   stream_reads=stream_reads, eval=eval_data)
 
 
 def vision_processing(run: Run, tokenizer) -> VisionProcessing:

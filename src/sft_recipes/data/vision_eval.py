@@ -1,0 +1,64 @@
+"""Held-out eval of an image run: whole examples packed into blocks, their pixels made when a block is read.
+
+The eval conversations (image rows as `mixture.with_images_checked` leaves them, text-only rows with no
+images) are packed once at start the way the training stream packs them -- best-fit over whole examples,
+each keeping its own mRoPE positions; an example longer than a block is left out (cutting it would part
+image tokens from their pixels) and counted. What stays in memory is the plan: which rows make which
+block. Not the pixels: a block of 13 images of 588 tokens holds ~47M patch values (~190 MB in fp32), so
+each read of a block processes its rows' images again, the same deterministic way. Blocks go through the
+training collator (`VisionBlockCollator`) and the token-weighted eval loop (`evaluation.py`) unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sft_recipes.data.blocks import IGNORE_INDEX, fill_blocks, join_examples
+from sft_recipes.data.vision import IMAGES_FIELD, VisionExample, VisionProcessing
+
+
+class VisionEvalBlocks:
+    """Eval blocks of image (and text) conversations: what `evaluation.RankEvalBatches` reads (len, select, [i])."""
+
+    def __init__(self, rows, processing: VisionProcessing, block_length: int, template_kwargs: dict | None = None):
+        self.rows, self.processing, self.template_kwargs = rows, processing, dict(template_kwargs or {})
+        examples = self._examples(range(len(rows)))
+        kept = [(index, example) for index, example in enumerate(examples)
+                if isinstance(example, VisionExample) and len(example.input_ids) <= block_length]
+        self.left_out = len(rows) - len(kept)  # a drop reason (an unreadable image, no answer), or overlong
+        self.tokens = sum(len(example.labels) for _, example in kept)
+        self.supervised = sum(len(example.labels) - 1 - example.labels[1:].count(IGNORE_INDEX) for _, example in kept)
+        self.plan = [block["row_index"].tolist() for block in fill_blocks(
+            ({"input_ids": example.input_ids, "labels": example.labels, "row_index": torch.tensor([index])}
+             for index, example in kept), block_length, split_examples=False)]
+
+    def _examples(self, indices) -> list[VisionExample | str]:
+        rows = [self.rows[int(index)] for index in indices]
+        return self.processing.examples([row["messages"] for row in rows], [row[IMAGES_FIELD] or [] for row in rows],
+                                        **self.template_kwargs)
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return join_examples([{"input_ids": example.input_ids, "labels": example.labels,
+                               "pixel_values": example.pixel_values, "image_grid_thw": example.image_grid_thw,
+                               "mrope_positions": example.mrope_positions,
+                               "num_images": torch.tensor([len(example.image_grid_thw)])}
+                              for example in self._examples(self.plan[index])])
+
+    def select(self, indices) -> VisionEvalBlocks:
+        """The blocks at `indices` (a rank's share of the eval set)."""
+        chosen = object.__new__(VisionEvalBlocks)
+        chosen.__dict__.update(self.__dict__, plan=[self.plan[index] for index in indices])
+        return chosen
+
+    def describe(self) -> str:
+        """The `[data] eval:` line, as `mixture.describe_eval` writes it for text blocks."""
+        conversations = sum(map(len, self.plan))
+        left_out = f" ({self.left_out:,} left out: unreadable, without an answer, or longer than a block)" \
+            if self.left_out else ""
+        return (f"[data] eval: {conversations:,} conversations packed whole into {len(self):,} blocks{left_out}, "
+                f"{self.tokens:,} tokens, {self.supervised:,} supervised")
