@@ -16,7 +16,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import HSDP_CPU_CONFIG, TINY_LLAMA_RECIPE, assert_resume_reproduces, launch_sft, read_summary
+from conftest import (
+    HSDP_CPU_CONFIG, TINY_LLAMA_RECIPE, assert_resume_reproduces, launch_sft, read_summary, with_global_batch,
+)
 from fault_helpers import finish, process_state, start_run, wait_for, worker_pid
 
 pytestmark = pytest.mark.fsdp
@@ -24,15 +26,6 @@ pytestmark = pytest.mark.fsdp
 STEPS, SAVE_AT = 4, 2
 COMMON = ["--max_steps", str(STEPS), "--save_steps", str(SAVE_AT), "--report_to", "none"]
 HSDP_LAYOUT = "HSDP 2 replicas x 2 shards (dp_replicate x dp_shard) over 4 processes"
-
-
-def fixed_global_batch_recipe(directory) -> str:
-    """The tiny twin with `global_batch_size: 16`: accumulation 1 on 4 processes, 2 on 2, 4 on 1."""
-    text = TINY_LLAMA_RECIPE.read_text()
-    assert "\ngradient_accumulation_steps: 2\n" in text
-    recipe = directory / "llama8b_global16.yaml"
-    recipe.write_text(text.replace("\ngradient_accumulation_steps: 2\n", "\nglobal_batch_size: 16\n"))
-    return str(recipe)
 
 
 def preempted_copy(full, to) -> None:
@@ -44,7 +37,7 @@ def preempted_copy(full, to) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hsdp")
-    recipe = fixed_global_batch_recipe(root)
+    recipe = str(with_global_batch(TINY_LLAMA_RECIPE, root, 16))  # accumulation 1 on 4 processes, 2 on 2, 4 on 1
     hsdp = start_run(*COMMON, "--output_dir", str(root / "hsdp"), recipe=recipe, config=HSDP_CPU_CONFIG, nproc=4,
                      env={"PROBE_LOCAL_SHARDS": str(root / "shards")})
     hsdp_result = finish(hsdp)

@@ -14,7 +14,9 @@ from datasets import load_dataset
 from torch.utils.data import DataLoader
 from safetensors import safe_open
 
-from conftest import REPO_ROOT, assert_resume_reproduces, launch_sft, read_summary, write_uneven_shards
+from conftest import (
+    REPO_ROOT, assert_resume_reproduces, launch_sft, read_summary, with_global_batch, write_uneven_shards,
+)
 from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
 from sft_recipes.data.collator import BlockDiagonalCollator
 from sft_recipes.loading import load_tokenizer
@@ -116,10 +118,7 @@ def test_two_processes_train_like_one_on_the_same_global_batch(tmp_path):
     Before `sft_recipes.fsdp_wrap.group_output_head_with_final_norm`, step 1 matched and step 2 did not
     (5.9423 against 5.9324): each rank's lm_head shard kept only its own rank's gradient.
     """
-    recipe = tmp_path / "qwen27b_global_batch.yaml"
-    text = RECIPE.read_text()
-    assert "\ngradient_accumulation_steps: 1\n" in text
-    recipe.write_text(text.replace("\ngradient_accumulation_steps: 1\n", "\nglobal_batch_size: 4\n"))
+    recipe = with_global_batch(RECIPE, tmp_path, 4)
     # Map-style rows and padded batches: the rows of each step do not depend on the world size.
     common = ("--dataset_streaming", "false", "--pack_blocks", "false", "--max_steps", "3", "--logging_steps", "1",
               "--report_to", "none", "--save_steps", "1000")

@@ -19,7 +19,9 @@ import shutil
 import pytest
 from PIL import Image
 
-from conftest import REPO_ROOT, assert_resume_reproduces, bin_path, launch_sft, read_summary, run_command
+from conftest import (
+    REPO_ROOT, assert_resume_reproduces, bin_path, launch_sft, read_summary, run_command, with_global_batch,
+)
 
 pytestmark = pytest.mark.fsdp
 
@@ -30,11 +32,7 @@ SAVE_EVERY = 2
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory):
     """The tiny vision recipe with a global batch of 2 blocks (derived per world size)."""
-    path = tmp_path_factory.mktemp("vision") / "qwen27b_vision_global_batch.yaml"
-    text = RECIPE.read_text()
-    assert "\ngradient_accumulation_steps: 1\n" in text
-    path.write_text(text.replace("\ngradient_accumulation_steps: 1\n", "\nglobal_batch_size: 2\n"))
-    return path
+    return with_global_batch(RECIPE, tmp_path_factory.mktemp("vision"), 2)
 
 
 COMMON = ("--max_steps", "4", "--logging_steps", "1", "--report_to", "none")
