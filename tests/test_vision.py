@@ -380,3 +380,12 @@ def test_eval_blocks_pack_whole_examples_and_make_their_pixels_when_read(process
     short = VisionEvalBlocks(rows, processing, longest - 1)  # the longest no longer fits a block: left out
     assert short.left_out == sum(len(example.input_ids) == longest for example in alone) >= 1
     assert "left out: unreadable, without an answer, or longer than a block" in short.describe()
+
+
+def test_image_eval_rows_in_a_text_run_are_refused_at_parse_time():
+    from sft_recipes.config import load_recipe
+
+    with pytest.raises(RecipeError, match="shapes.jsonl has dataset_format vision_messages: the run trains on no "
+                                          "images, so its eval has no image processing"):
+        load_recipe("recipes/tiny/qwen27b.yaml", ["--dataset_streaming", "false", "--eval_datasets",
+                                                  "[{path: data/samples/vision/shapes.jsonl, dataset_format: vision_messages}]"])

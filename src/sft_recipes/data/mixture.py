@@ -128,6 +128,9 @@ def _vision_needs(data_args, key: str) -> list[str]:
     if is_streamed(data_args):
         needs.append("image rows are read map-style (their files checked up front): set streaming and "
                      "dataset_streaming false")
+    if key == "eval_datasets" and not has_images(data_args):
+        needs.append("the run trains on no images, so its eval has no image processing: evaluate image rows in a "
+                     "run that trains on image rows, or give eval rows without images")
     return needs
 
 
