@@ -345,11 +345,12 @@ def test_the_mask_audit_shows_image_placeholders_outside_the_supervised_spans(pr
     assert "[[<think>\n\n</think>\n\nIt is blue.<|im_end|>\n]]" in text
 
 
-def test_eval_blocks_pack_whole_examples_and_make_their_pixels_when_read(processing):
+def test_eval_blocks_pack_whole_examples_and_make_their_pixels_when_read(processing, monkeypatch):
     """Held-out image rows: packed once like the training blocks; a block read twice is the same tensors, equal to
     its rows' examples joined; a conversation longer than a block is left out, never cut; select keeps blocks."""
     from sft_recipes.data.formats import Tokenization
     from sft_recipes.data.mixture import build_source_data
+    from sft_recipes.data import vision_eval
     from sft_recipes.data.vision_eval import VisionEvalBlocks
     from sft_recipes.config import load_recipe
 
@@ -359,6 +360,7 @@ def test_eval_blocks_pack_whole_examples_and_make_their_pixels_when_read(process
     rows = sources.eval
     held_out = sources.report.sources[0].eval_rows
     assert len(rows) == held_out > 2 and rows.column_names == ["messages", "images"]
+    monkeypatch.setattr(vision_eval, "PLAN_ROWS", 4)  # the plan made over several chunks of rows
     blocks = VisionEvalBlocks(rows, processing, 128)
     alone = processing.examples([row["messages"] for row in rows], [row["images"] for row in rows])
     assert sorted(index for plan in blocks.plan for index in plan) == list(range(held_out)) and blocks.left_out == 0

@@ -5,7 +5,8 @@ images) are packed once at start the way the training stream packs them -- best-
 each keeping its own mRoPE positions; an example longer than a block is left out (cutting it would part
 image tokens from their pixels) and counted. What stays in memory is the plan: which rows make which
 block. Not the pixels: a block of 13 images of 588 tokens holds ~47M patch values (~190 MB in fp32), so
-each read of a block processes its rows' images again, the same deterministic way. Blocks go through the
+each read of a block processes its rows' images again, the same deterministic way (and the plan is made
+`PLAN_ROWS` rows at a time: 500 such rows at once would be ~7 GB per rank). Blocks go through the
 training collator (`VisionBlockCollator`) and the token-weighted eval loop (`evaluation.py`) unchanged.
 """
 
@@ -19,20 +20,29 @@ from sft_recipes.data.blocks import IGNORE_INDEX, fill_blocks, join_examples
 from sft_recipes.data.vision import IMAGES_FIELD, VisionExample, VisionProcessing
 
 
+PLAN_ROWS = 16  # rows whose pixels are held at once while the plan is made (~14 MB each at 588 image tokens)
+
+
 class VisionEvalBlocks:
     """Eval blocks of image (and text) conversations: what `evaluation.RankEvalBatches` reads (len, select, [i])."""
 
     def __init__(self, rows, processing: VisionProcessing, block_length: int, template_kwargs: dict | None = None):
         self.rows, self.processing, self.template_kwargs = rows, processing, dict(template_kwargs or {})
-        examples = self._examples(range(len(rows)))
-        kept = [(index, example) for index, example in enumerate(examples)
-                if isinstance(example, VisionExample) and len(example.input_ids) <= block_length]
+        kept = [(index, labels) for index, labels in self._labels() if len(labels) <= block_length]
         self.left_out = len(rows) - len(kept)  # a drop reason (an unreadable image, no answer), or overlong
-        self.tokens = sum(len(example.labels) for _, example in kept)
-        self.supervised = sum(len(example.labels) - 1 - example.labels[1:].count(IGNORE_INDEX) for _, example in kept)
+        self.tokens = sum(len(labels) for _, labels in kept)
+        self.supervised = sum(len(labels) - 1 - labels[1:].count(IGNORE_INDEX) for _, labels in kept)
         self.plan = [block["row_index"].tolist() for block in fill_blocks(
-            ({"input_ids": example.input_ids, "labels": example.labels, "row_index": torch.tensor([index])}
-             for index, example in kept), block_length, split_examples=False)]
+            ({"input_ids": labels, "labels": labels, "row_index": torch.tensor([index])} for index, labels in kept),
+            block_length, split_examples=False)]  # the packer reads lengths only
+
+    def _labels(self):
+        """(row, labels) of each row that makes an example, PLAN_ROWS rows' pixels in memory at a time."""
+        for start in range(0, len(self.rows), PLAN_ROWS):
+            indices = range(start, min(start + PLAN_ROWS, len(self.rows)))
+            for index, example in zip(indices, self._examples(indices)):
+                if isinstance(example, VisionExample):
+                    yield index, example.labels
 
     def _examples(self, indices) -> list[VisionExample | str]:
         rows = [self.rows[int(index)] for index in indices]
