@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from conftest import TINY_LLAMA_RECIPE, bin_path, run_command
+from sft_recipes.batching import derive_gradient_accumulation
 from sft_recipes.config import PARAMETERS_ENV, load_recipe
 from sft_recipes.errors import RecipeError
 from sft_recipes.reporting.summary import RunSummaryCallback
@@ -39,6 +40,32 @@ def test_precedence_recipe_then_parameters_then_command_line(parameters):
         "parameters": {"max_steps": 7, "learning_rate": 0.1, "output_dir": "/Volumes/main/default/ckpt/llama"},
         "command_line": {"max_steps": 5, "seed": 3},
     }
+
+
+def test_a_later_global_batch_replaces_an_earlier_fixed_accumulation(parameters):
+    from sft_recipes.lint import LintContext, batch_the_world_cannot_produce
+
+    # The tiny twin fixes gradient_accumulation_steps: 2; a stated global batch from the command line replaces it.
+    recipe = load_recipe(TINY_LLAMA_RECIPE, ["--global_batch_size", "16"])
+    assert "gradient_accumulation_steps" not in recipe.values and recipe.training.global_batch_size == 16
+    assert batch_the_world_cannot_produce(recipe, LintContext(2, False)) is None
+    assert derive_gradient_accumulation(recipe.training, 2)[0] == 2  # 16 = 4 per device x 2 processes x 2
+    # From the parameters file too; the command line's global batch then replaces the file's (the run logs which).
+    parameters({"global_batch_tokens": 4096})
+    recipe = load_recipe(TINY_LLAMA_RECIPE)
+    assert "gradient_accumulation_steps" not in recipe.values and recipe.training.global_batch_tokens == 4096
+    recipe = load_recipe(TINY_LLAMA_RECIPE, ["--global_batch_size", "8"])
+    assert recipe.training.global_batch_tokens is None and recipe.overrides == {"command_line": {"global_batch_size": 8}}
+
+
+def test_a_later_fixed_accumulation_beside_a_stated_global_batch_stays_refused(parameters):
+    from sft_recipes.lint import LintContext, batch_the_world_cannot_produce
+
+    parameters({"global_batch_size": 16})
+    recipe = load_recipe(TINY_LLAMA_RECIPE, ["--gradient_accumulation_steps", "4"])
+    assert recipe.values["global_batch_size"] == 16 and recipe.values["gradient_accumulation_steps"] == 4
+    assert batch_the_world_cannot_produce(recipe, LintContext(2, False)).startswith(
+        "the recipe states its global batch (global_batch_size: 16) and gradient_accumulation_steps is set too")
 
 
 def test_without_the_variable_or_with_an_empty_block_nothing_is_overridden(parameters, monkeypatch):

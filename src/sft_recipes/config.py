@@ -398,6 +398,24 @@ def read_parameters_file() -> tuple[dict[str, Any], str | None]:
     return values, origin
 
 
+# The batch per optimizer step, stated (the accumulation then follows the world size).
+GLOBAL_BATCH_KEYS = ("global_batch_size", "global_batch_tokens")
+
+
+def without_overridden_batch_keys(*sources: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sources, earliest first, minus the batch keys of earlier ones where a later source states the global batch:
+    `--global_batch_size 64` on a recipe that fixes `gradient_accumulation_steps` trains 64 sequences per step with
+    the accumulation derived. The other way round stays refused by the lint (a fixed accumulation beside a stated
+    global batch would silently train another batch on another layout)."""
+    pruned = [dict(source) for source in sources]
+    for index, source in enumerate(pruned):
+        if any(key in source for key in GLOBAL_BATCH_KEYS):
+            for earlier in pruned[:index]:
+                for key in (*GLOBAL_BATCH_KEYS, "gradient_accumulation_steps"):
+                    earlier.pop(key, None)
+    return pruned
+
+
 def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] | None = None,
                 planning: bool = False, overrides_source: str = "command_line") -> Recipe:
     """Parse, interpolate, validate and build the dataclasses of one recipe. Raises RecipeError.
@@ -411,6 +429,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
     values = read_recipe_file(path)
     parameters, parameters_origin = read_parameters_file()
     cli = parse_cli_overrides(overrides) if isinstance(overrides, list) else dict(overrides or {})
+    values, parameters, cli = without_overridden_batch_keys(values, parameters, cli)
     values.update(parameters)
     values.update(cli)
     sources = {"parameters": parameters, overrides_source: cli}
