@@ -6,7 +6,8 @@ preempted run resumes to the same later losses, and bad image rows are counted a
 
 Same global batches: each reader packs the same rows on 1 or 2 processes when 1 process reads with
 2 dataloader workers and 2 processes with none (readers = processes x workers, each the every-other
-conversation of the 60-row sample), so every step trains the same two blocks.
+conversation of the 60-row sample), so every step trains the same two blocks. HSDP (4 processes) against
+1 process with 4 workers the same way, and its checkpoint resumed on 1 process.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import pytest
 from PIL import Image
 
 from conftest import (
-    REPO_ROOT, assert_resume_reproduces, bin_path, launch_sft, read_summary, run_command, with_global_batch,
+    HSDP_CPU_CONFIG, REPO_ROOT, assert_resume_reproduces, bin_path, launch_sft, read_summary, run_command,
+    with_global_batch,
 )
 
 pytestmark = pytest.mark.fsdp
@@ -106,6 +108,28 @@ def test_resume_after_preemption_gives_the_same_later_losses(recipe, two_process
                "--output_dir", str(resumed))
     assert_resume_reproduces(out, resumed, SAVE_EVERY, atol=1e-4)
     assert read_summary(resumed)["eval_loss"] == pytest.approx(read_summary(out)["eval_loss"], abs=1e-4)
+
+
+def test_hsdp_trains_one_process_s_image_blocks_and_its_checkpoint_resumes_on_one_process(tmp_path):
+    """HSDP 2 x 2 on 4 processes and 1 process with 4 dataloader workers: 4 readers either way, so every step trains
+    the same 4 blocks (a global batch of 4, given on the command line over the twin's fixed accumulation)."""
+    common = (*COMMON, *NO_SAMPLES, *EVAL, "--global_batch_size", "4", "--save_steps", str(SAVE_EVERY))
+    hsdp = launch_sft(RECIPE, *common, "--dataloader_num_workers", "0", "--output_dir", str(tmp_path / "hsdp"),
+                      nproc=4, config=HSDP_CPU_CONFIG)
+    assert "[mesh] HSDP 2 replicas x 2 shards (dp_replicate x dp_shard) over 4 processes" in hsdp.stderr
+    launch_sft(RECIPE, *common, "--dataloader_num_workers", "4", "--output_dir", str(tmp_path / "one"), nproc=1)
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(tmp_path / "hsdp" / f"checkpoint-{SAVE_EVERY}", resumed / f"checkpoint-{SAVE_EVERY}")
+    launch_sft(RECIPE, *common, "--dataloader_num_workers", "4", "--output_dir", str(resumed), nproc=1)
+    one, on_hsdp = read_summary(tmp_path / "one"), read_summary(tmp_path / "hsdp")
+    assert list(on_hsdp["losses"]) == ["1", "2", "3", "4"]
+    for step, loss in one["losses"].items():
+        assert on_hsdp["losses"][step] == pytest.approx(loss, abs=1e-4), step
+    assert 0 < one["eval_loss"] == pytest.approx(on_hsdp["eval_loss"], abs=1e-4)
+    assert_resume_reproduces(tmp_path / "hsdp", resumed, SAVE_EVERY, atol=1e-4)
+    assert read_summary(resumed)["world_size_at_checkpoint"] == 4
+    assert read_summary(resumed)["eval_loss"] == pytest.approx(on_hsdp["eval_loss"], abs=1e-4)
 
 
 def test_bad_image_rows_are_counted_and_refused(tmp_path):
