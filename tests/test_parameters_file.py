@@ -65,7 +65,7 @@ def test_a_later_fixed_accumulation_beside_a_stated_global_batch_stays_refused(p
     recipe = load_recipe(TINY_LLAMA_RECIPE, ["--gradient_accumulation_steps", "4"])
     assert recipe.values["global_batch_size"] == 16 and recipe.values["gradient_accumulation_steps"] == 4
     assert batch_the_world_cannot_produce(recipe, LintContext(2, False)).startswith(
-        "the recipe states its global batch (global_batch_size: 16) and gradient_accumulation_steps is set too")
+        "global_batch_size: 16 (HYPERPARAMETERS_PATH) and gradient_accumulation_steps: 4 (command line) are both set")
 
 
 def test_without_the_variable_or_with_an_empty_block_nothing_is_overridden(parameters, monkeypatch):

@@ -169,9 +169,10 @@ def test_a_launch_that_would_change_the_stated_global_batch_is_refused_naming_th
     recipe = load_recipe(REPO_ROOT / "recipes" / "qwen27b.yaml",
                          ["--sequence_parallel_size", "4", "--gradient_accumulation_steps", "2"], planning=True)
     assert batch_the_world_cannot_produce(recipe, LintContext(8, False)) == (
-        "the recipe states its global batch (global_batch_size: 8) and gradient_accumulation_steps is set too, which "
-        "would change it on another layout; drop gradient_accumulation_steps (it is derived from the global batch "
-        "and the world size), or pass --global_batch_size N to train another global batch")
+        "global_batch_size: 8 (recipe) and gradient_accumulation_steps: 2 (command line) are both set, and a fixed "
+        "accumulation would change the global batch on another layout; drop gradient_accumulation_steps (it is "
+        "derived from the global batch and the world size), or pass --global_batch_size N to train another global "
+        "batch")
     llama = load_recipe(REPO_ROOT / "recipes" / "llama8b.yaml", planning=True)  # 128 sequences, 4 per device
     problem = batch_the_world_cannot_produce(llama, LintContext(24, False))
     assert problem.startswith("The global batch of 128 sequences cannot be made on 24 processes") and \

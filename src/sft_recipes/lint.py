@@ -153,13 +153,14 @@ def mixed_precision_differs_from_launch(recipe: Recipe, ctx: LintContext) -> str
 def batch_the_world_cannot_produce(recipe: Recipe, ctx: LintContext) -> str | None:
     t = recipe.training
     if (t.global_batch_size or t.global_batch_tokens) and "gradient_accumulation_steps" in recipe.values:
-        stated = (f"global_batch_size: {t.global_batch_size}" if t.global_batch_size
-                  else f"global_batch_tokens: {t.global_batch_tokens}")
+        key = "global_batch_size" if t.global_batch_size else "global_batch_tokens"
         # The shipped recipes state their global batch so that SP, HSDP and node counts keep the experiment; a fixed
         # accumulation beside it would change the batch on another layout, silently, so it is refused.
-        return (f"the recipe states its global batch ({stated}) and gradient_accumulation_steps is set too, which "
-                "would change it on another layout; drop gradient_accumulation_steps (it is derived from the global "
-                "batch and the world size), or pass --global_batch_size N to train another global batch")
+        return (f"{key}: {getattr(t, key)} ({_set_where(recipe, key)}) and gradient_accumulation_steps: "
+                f"{t.gradient_accumulation_steps} ({_set_where(recipe, 'gradient_accumulation_steps')}) are both set, "
+                "and a fixed accumulation would change the global batch on another layout; drop "
+                "gradient_accumulation_steps (it is derived from the global batch and the world size), or pass "
+                "--global_batch_size N to train another global batch")
     if ctx.world_size % t.sequence_parallel_size:
         return None  # sequence_parallel_size_not_dividing_the_world says so
     try:
@@ -167,6 +168,14 @@ def batch_the_world_cannot_produce(recipe: Recipe, ctx: LintContext) -> str | No
     except ValueError as err:
         return str(err).rstrip(".")
     return None
+
+
+def _set_where(recipe: Recipe, key: str) -> str:
+    """Which source the key's value came from: the last override source that set it, else the recipe file."""
+    sources = [source for source, values in recipe.overrides.items() if key in values]
+    if not sources:
+        return "recipe"
+    return "HYPERPARAMETERS_PATH" if sources[-1] == "parameters" else sources[-1].replace("_", " ")
 
 
 def _sequence_parallel(recipe: Recipe) -> bool:

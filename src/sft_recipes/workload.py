@@ -64,7 +64,7 @@ from pathlib import Path
 
 import yaml
 
-from sft_recipes.config import PARAMETERS_ENV
+from sft_recipes.config import PARAMETERS_ENV, without_overridden_batch_keys
 from sft_recipes.errors import RecipeError
 from sft_recipes.launch import AccelerateConfig, read_accelerate_config
 
@@ -545,11 +545,14 @@ def cross_file_problems(workload: Mapping, workload_path: Path, model_config: st
                 f"{config.num_machines} machine(s) x {config.processes_per_node} processes: use the config for "
                 f"{nodes} x {per_node} or set num_accelerators to {config.num_processes}"))
 
-    overrides = {key: value for key, value in {**parameters, **launch.overrides}.items()
+    # The run reads `parameters:` (HYPERPARAMETERS_PATH), then the command's overrides: a global batch in the later
+    # replaces the batch keys of the earlier, as load_recipe does between sources.
+    parameters_kept, command = without_overridden_batch_keys(parameters, launch.overrides)
+    overrides = {key: value for key, value in {**parameters_kept, **command}.items()
                  if key in owners and key not in SECRET_KEYS}  # the others are reported above
     try:
         with _runtime_environment(env_variables):  # the recipe's ${VAR:-default} as the runtime expands them
-            recipe = load_recipe(recipe_path, overrides, planning=True)
+            recipe = load_recipe(recipe_path, overrides, planning=True, overrides_source="workload")
     except RecipeError as err:
         problems.append(Problem(f"the recipe with parameters and the command's overrides does not load: {err}"))
         return problems
