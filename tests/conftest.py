@@ -89,12 +89,12 @@ def realworld() -> Path:
     return REALWORLD
 
 
-def write_uneven_shards(path: Path, rows: int, readers_per_rank: int = 1) -> Path:
-    """Conversations that rank 0 of 2 reads are ~40x longer than rank 1's.
+def write_uneven_shards(path: Path, rows: int) -> Path:
+    """Even rows ~40x longer than odd ones: on an even number of ranks the even ranks read the long rows.
 
-    Readers split a one-file stream row by row: reader `worker * 2 + rank` of `2 * readers_per_rank`
-    (`data.blocks.reader_index`) reads rows i with i % (2 * readers_per_rank) equal to its number, so
-    rank 0's readers read the even rows.
+    Readers split a one-file stream row by row: reader `worker * world + rank` of `world * readers_per_rank`
+    (`data.blocks.reader_index`) reads rows i with i % (world * readers_per_rank) equal to its number, so
+    rank r's readers read the rows i with i % world == r.
     """
     with open(path, "w") as f:
         for i in range(rows):

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader
 from safetensors import safe_open
 
 from conftest import (
-    REPO_ROOT, assert_resume_reproduces, launch_sft, read_summary, with_global_batch, write_uneven_shards,
+    CPU_CONFIG, HSDP_CPU_CONFIG, REPO_ROOT, assert_resume_reproduces, launch_sft, read_summary, with_global_batch,
+    write_uneven_shards,
 )
 from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
 from sft_recipes.data.collator import BlockDiagonalCollator
@@ -60,23 +61,25 @@ def test_export_keeps_the_vision_tower_and_the_class(packed_run):
     assert read_summary(out)["export_max_logit_diff"] <= 1e-4
 
 
-def test_uneven_shards_stop_on_the_same_step(tmp_path):
-    # 2 ranks x the recipe's dataloader workers, each reader with its own shard of one streamed file.
+@pytest.mark.parametrize("nproc, config", [(2, CPU_CONFIG), (4, HSDP_CPU_CONFIG)], ids=["flat2", "hsdp2x2"])
+def test_uneven_shards_stop_on_the_same_step(tmp_path, nproc, config):
+    # Each rank x the recipe's dataloader workers, each reader with its own shard of one streamed file.
     workers = yaml.safe_load(RECIPE.read_text())["dataloader_num_workers"]
     assert workers > 1, "the tiny twin must exercise dataloader workers, like the real recipe"
-    data = write_uneven_shards(tmp_path / "uneven.jsonl", rows=48, readers_per_rank=workers)
+    data = write_uneven_shards(tmp_path / "uneven.jsonl", rows=24 * nproc)
     tokenizer = load_tokenizer(ModelArguments(model_name_or_path=ensure_tiny("qwen3_5")))
     raw = load_dataset("json", data_files=str(data), split="train", streaming=True)
     first_exhausted = []
-    for rank in (0, 1):
-        stream = RankLocalBlockStream(raw, tokenizer, max_length=256, rank=rank, world_size=2)
+    for rank in range(nproc):
+        stream = RankLocalBlockStream(raw, tokenizer, max_length=256, rank=rank, world_size=nproc)
         first_exhausted.append(_first_exhausted_batch(stream, workers, tokenizer.pad_token_id))
     assert first_exhausted[0] > first_exhausted[1] + 2, first_exhausted  # deliberately uneven
     out = tmp_path / "run"
-    launch_sft(RECIPE, "--dataset_name", str(data), "--output_dir", str(out), "--report_to", "none")
-    # Rank 1 runs out first: every rank stops right after the step in which it noticed, no hang
-    # (one block per step in the twin).
-    assert read_summary(out)["steps"] == first_exhausted[1] + 1
+    launch_sft(RECIPE, "--dataset_name", str(data), "--output_dir", str(out), "--report_to", "none",
+               nproc=nproc, config=config)
+    # A rank with the short rows runs out first: every rank stops right after the step in which it noticed, no
+    # hang, in either replica under HSDP (one block per step in the twin).
+    assert read_summary(out)["steps"] == min(first_exhausted) + 1
 
 
 def _first_exhausted_batch(stream, workers: int, pad_token_id: int) -> int:
