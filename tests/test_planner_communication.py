@@ -204,3 +204,33 @@ def test_a_suggested_launch_runs_on_the_config_it_needs():
         command.replace("accelerate_configs/fsdp2_2node.yaml", "my_accelerate_config.yaml")
         + " --per_device_train_batch_size 2",
         f"my_accelerate_config.yaml: {edited}"]  # never the old config beside "a copy of" it
+
+
+@pytest.mark.parametrize("recipe, model, sizes", [
+    ("qwen27b.yaml", QWEN_27B, [1, 2, 4, 8]),  # packed blocks; the heads split 2, 4 or 8 ways
+    ("qwen27b-vision.yaml", QWEN_27B, [1]),  # image data: sequence parallelism refused
+    ("llama8b.yaml", LLAMA_8B, [1]),  # TRL's packing, not the project's blocks: refused
+])
+def test_the_sequence_parallel_sizes_a_recipe_takes_are_those_its_run_would_launch_with(recipe, model, sizes):
+    from sft_recipes.lint import LintContext, sequence_parallel_sizes_the_recipe_takes
+
+    loaded = load_recipe(REPO_ROOT / "recipes" / recipe, {"model_name_or_path": str(model)}, planning=True)
+    config = read_model_config(model, download=False)
+    assert sequence_parallel_sizes_the_recipe_takes(loaded, LintContext(16, True, lambda: config), list(range(1, 9))) \
+        == sizes
+
+
+def test_no_suggestion_is_a_sequence_parallel_size_the_run_refuses():
+    from sft_recipes.plan import plan_layouts
+
+    loaded = load_recipe(REPO_ROOT / "recipes" / "qwen27b-vision.yaml", {"model_name_or_path": str(QWEN_27B),
+                                                                          "global_batch_size": 16}, planning=True)
+    accelerate_config = read_accelerate_config(REPO_ROOT / "accelerate_configs" / "hsdp_2node.yaml")
+    plan = plan_recipe(loaded, accelerate_config, 16, replicate_size=2)
+    # Unfiltered, SP 2 is among the fastest layouts that fit 2 x 8 B300 (the control) ...
+    unfiltered = layout_report(read_model_config(QWEN_27B, download=False), plan.counts, plan.setup, 2, "B300",
+                               Links.for_gpu("B300"), "accelerate_configs/hsdp_2node.yaml", True)
+    assert any(o.setup.sequence_parallel_size > 1 for o in unfiltered.suggestions)
+    # ... but this run refuses SP on image data, so the dry run suggests none.
+    report = plan_layouts(loaded, plan, accelerate_config, "accelerate_configs/hsdp_2node.yaml", 2, "B300", None, None)
+    assert report.suggestions and all(o.setup.sequence_parallel_size == 1 for o in report.suggestions)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -141,8 +142,10 @@ def compare_layouts(config: PretrainedConfig, counts: ParamCounts, setup: Traini
 
 
 def candidate_layouts(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, current: MeshLayout,
-                      gpu: str, links: Links, seq_lens: list[int], reshard_after_forward: bool = True):
-    """Every layout of the same global batch (tokens per step) at the given block lengths, priced."""
+                      gpu: str, links: Links, seq_lens: list[int], reshard_after_forward: bool = True,
+                      sequence_parallel_sizes: Collection[int] | None = None):
+    """Every layout of the same global batch (tokens per step) at the given block lengths, priced; sequence
+    parallelism only at ``sequence_parallel_sizes`` when given (those the recipe would launch with)."""
     tokens = setup.tokens_per_micro_batch * setup.gradient_accumulation_steps * setup.data_parallel_size
     replicas = [1] + ([r for r in _divisors(current.nodes) if r > 1] if current.nodes > 1 else [])
     for seq_len in seq_lens:
@@ -152,6 +155,8 @@ def candidate_layouts(config: PretrainedConfig, counts: ParamCounts, setup: Trai
         for replicate in replicas:
             layout = MeshLayout(current.nodes, current.gpus_per_node, replicate)
             for sp in _divisors(current.gpus_per_node) if replicate == 1 else [1]:
+                if sequence_parallel_sizes is not None and sp not in sequence_parallel_sizes:
+                    continue
                 if seq_len % sp or sequences % (setup.world_size // sp):
                     continue
                 per_group = sequences // (setup.world_size // sp)
@@ -167,18 +172,19 @@ def candidate_layouts(config: PretrainedConfig, counts: ParamCounts, setup: Trai
 
 def suggest_layouts(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, current: MeshLayout, gpu: str,
                     links: Links, base_config: str | None = None, global_batch_in_recipe: bool = False,
-                    reshard_after_forward: bool = True) -> tuple[LayoutOption, list[LayoutOption]]:
+                    reshard_after_forward: bool = True, sequence_parallel_sizes: Collection[int] | None = None,
+                    ) -> tuple[LayoutOption, list[LayoutOption]]:
     """(the recipe's own layout priced, up to `SUGGESTIONS` faster layouts that fit ``gpu``; none when the
     recipe fits and nothing is `MEANINGFUL_SPEEDUP` faster). Block length shrinks only when nothing fits."""
     own = price(config, counts, setup, current, gpu, links, reshard_after_forward)
     lengths = [setup.seq_len]
-    options = [o for o in candidate_layouts(config, counts, setup, current, gpu, links, lengths, reshard_after_forward)
-               if o.fits(gpu)]
+    options = [o for o in candidate_layouts(config, counts, setup, current, gpu, links, lengths, reshard_after_forward,
+                                            sequence_parallel_sizes) if o.fits(gpu)]
     length = setup.seq_len
     while not options and length % 2 == 0 and length > 1024:
         length //= 2
         options = [o for o in candidate_layouts(config, counts, setup, current, gpu, links, [length],
-                                                reshard_after_forward) if o.fits(gpu)]
+                                                reshard_after_forward, sequence_parallel_sizes) if o.fits(gpu)]
     if own.fits(gpu):
         options = [o for o in options if o.step_seconds * MEANINGFUL_SPEEDUP < own.step_seconds]
 
@@ -333,13 +339,14 @@ def suggested_launch(command: str, overrides: tuple[str, ...], accelerate_config
 
 def layout_report(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, nodes: int, gpu: str,
                   links: Links, base_config: str | None = None, global_batch_in_recipe: bool = False,
-                  reshard_after_forward: bool = True) -> LayoutReport:
+                  reshard_after_forward: bool = True, sequence_parallel_sizes: Collection[int] | None = None,
+                  ) -> LayoutReport:
     """The launch's own layout priced, FSDP and HSDP side by side (several nodes), and what to change."""
     if setup.world_size % nodes:
         raise ValueError(f"{setup.world_size} processes cannot be spread evenly over {nodes} nodes.")
     current = MeshLayout(nodes, setup.world_size // nodes, setup.replicate_size)
     own, suggestions = suggest_layouts(config, counts, setup, current, gpu, links, base_config, global_batch_in_recipe,
-                                       reshard_after_forward)
+                                       reshard_after_forward, sequence_parallel_sizes)
     side_by_side = compare_layouts(config, counts, setup, nodes, gpu, links, reshard_after_forward)
     side_by_side = [own if o.layout == current else o for o in side_by_side]
     if current not in [o.layout for o in side_by_side]:

@@ -8,6 +8,8 @@ lora_dropout with target_parameters) live in that dataclass's __post_init__ and 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -286,6 +288,30 @@ RULES = (
     parallelism_config_these_recipes_cannot_run,
     activation_offloading_without_accelerator,
 )
+
+
+# The rules a recipe meets or fails whatever the world: which sequence-parallel sizes the planner may suggest.
+SEQUENCE_PARALLEL_RULES = (
+    sequence_parallel_with_trl_packing,
+    sequence_parallel_without_block_packing,
+    sequence_parallel_on_image_data,
+    sequence_parallel_attention_implementation,
+    sequence_parallel_size_the_heads_cannot_take,
+    sequence_parallel_without_global_token_count,
+)
+
+
+def sequence_parallel_sizes_the_recipe_takes(recipe: Recipe, ctx: LintContext, sizes: list[int]) -> list[int]:
+    """Of ``sizes``, those the recipe would launch with (1 always): its data, attention and the model's heads. A
+    layout's world and block length are checked where the layout is made."""
+    taken = []
+    for sp in sizes:
+        training = copy.copy(recipe.training)
+        training.sequence_parallel_size = sp
+        trial = dataclasses.replace(recipe, training=training)
+        if sp == 1 or not any(rule(trial, ctx) for rule in SEQUENCE_PARALLEL_RULES):
+            taken.append(sp)
+    return taken
 
 
 def lint_recipe(recipe: Recipe, ctx: LintContext | None = None) -> None:

@@ -799,5 +799,10 @@ def plan_layouts(recipe: Recipe, plan: Plan, accelerate_config: AccelerateConfig
     fsdp = accelerate_config.fsdp if accelerate_config else {}
     reshard = str(fsdp.get("fsdp_reshard_after_forward", True)).lower() == "true"
     t = recipe.training
+    from sft_recipes.lint import LintContext, sequence_parallel_sizes_the_recipe_takes
+
+    sequence_parallel_sizes = sequence_parallel_sizes_the_recipe_takes(  # never suggest a size the run refuses
+        recipe, LintContext(setup.world_size, True, lambda: config), list(range(1, setup.world_size // nodes + 1)))
     return layout_report(config, plan.counts, setup, nodes, gpu, links, str(config_name) if config_name else None,
-                         t.global_batch_size is not None or t.global_batch_tokens is not None, reshard)
+                         t.global_batch_size is not None or t.global_batch_tokens is not None, reshard,
+                         sequence_parallel_sizes)
