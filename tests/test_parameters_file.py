@@ -86,7 +86,7 @@ def test_parameters_get_the_command_line_checks_all_at_once(parameters):
     assert f"unknown key 'per_device_batch_size' {origin}; did you mean " in message
     assert "'per_device_train_batch_size'" in message
     assert f"'max_steps' must be an integer, got 'many' (str) {origin}" in message
-    assert f"'learning_rate' must be " in message and f"got -1.0 {origin}" in message
+    assert "'learning_rate' must be " in message and f"got -1.0 {origin}" in message
     assert "'max_length' must be" in message and "got 0" in message
     assert message.count(origin) == 3  # the command line's bad value does not name the file
 

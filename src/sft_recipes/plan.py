@@ -789,7 +789,7 @@ def plan_layouts(recipe: Recipe, plan: Plan, accelerate_config: AccelerateConfig
             fix = (f"the smallest shard size that fits is {shard} " + (
                    f"(parallelism_config_dp_shard_size: {shard}, parallelism_config_dp_replicate_size: "
                    f"{setup.world_size // shard})" if shard and shard < setup.world_size else
-                   f"(every GPU: flat FSDP, a config without parallelism_config)")
+                   "(every GPU: flat FSDP, a config without parallelism_config)")
                    if shortfall.smallest_fitting_shard else
                    "no shard size fits either, flat FSDP over all ranks included: see the plan without "
                    "parallelism_config for what to change")
