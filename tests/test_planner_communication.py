@@ -209,7 +209,7 @@ def test_a_suggested_launch_runs_on_the_config_it_needs():
 @pytest.mark.parametrize("recipe, model, sizes", [
     ("qwen27b.yaml", QWEN_27B, [1, 2, 4, 8]),  # packed blocks; the heads split 2, 4 or 8 ways
     ("qwen27b-vision.yaml", QWEN_27B, [1]),  # image data: sequence parallelism refused
-    ("llama8b.yaml", LLAMA_8B, [1]),  # TRL's packing, not the project's blocks: refused
+    ("llama8b.yaml", LLAMA_8B, [1]),  # unpacked rows (no pack_blocks): refused
 ])
 def test_the_sequence_parallel_sizes_a_recipe_takes_are_those_its_run_would_launch_with(recipe, model, sizes):
     from sft_recipes.lint import LintContext, sequence_parallel_sizes_the_recipe_takes
