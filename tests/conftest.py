@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -56,17 +55,6 @@ def launch_sft(recipe: Path, *overrides: str, nproc: int = 2, env: dict[str, str
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     return result
-
-
-def with_global_batch(recipe: Path, directory: Path, global_batch_size: int) -> Path:
-    """A copy of a tiny twin that states `global_batch_size` instead of its fixed accumulation, so that the run
-    derives accumulation per world size (the real recipes' way) and 1, 2 or 4 processes train the same batches."""
-    text = recipe.read_text()
-    fixed = re.search(r"\ngradient_accumulation_steps: \d+\n", text)
-    assert fixed, f"{recipe} states no fixed gradient_accumulation_steps"
-    path = directory / f"{recipe.stem}_global{global_batch_size}.yaml"
-    path.write_text(text.replace(fixed.group(0), f"\nglobal_batch_size: {global_batch_size}\n"))
-    return path
 
 
 def read_summary(output_dir: Path) -> dict:

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import (
-    HSDP_CPU_CONFIG, TINY_LLAMA_RECIPE, assert_resume_reproduces, launch_sft, read_summary, with_global_batch,
+    HSDP_CPU_CONFIG, TINY_LLAMA_RECIPE, assert_resume_reproduces, launch_sft, read_summary,
 )
 from fault_helpers import finish, process_state, start_run, wait_for, worker_pid
 
@@ -26,6 +26,7 @@ pytestmark = pytest.mark.fsdp
 
 STEPS, SAVE_AT = 4, 2
 COMMON = ["--max_steps", str(STEPS), "--save_steps", str(SAVE_AT), "--report_to", "none"]
+GLOBAL_BATCH = ("--global_batch_size", "16")  # over the twin's fixed accumulation: 1 on 4 processes, 2 on 2, 4 on 1
 HSDP_LAYOUT = "HSDP 2 replicas x 2 shards (dp_replicate x dp_shard) over 4 processes"
 
 
@@ -38,23 +39,23 @@ def preempted_copy(full, to) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hsdp")
-    recipe = str(with_global_batch(TINY_LLAMA_RECIPE, root, 16))  # accumulation 1 on 4 processes, 2 on 2, 4 on 1
-    hsdp = start_run(*COMMON, "--output_dir", str(root / "hsdp"), recipe=recipe, config=HSDP_CPU_CONFIG, nproc=4,
-                     env={"PROBE_LOCAL_SHARDS": str(root / "shards")})
+    common = (*COMMON, *GLOBAL_BATCH)
+    hsdp = start_run(*common, "--output_dir", str(root / "hsdp"), recipe=str(TINY_LLAMA_RECIPE),
+                     config=HSDP_CPU_CONFIG, nproc=4, env={"PROBE_LOCAL_SHARDS": str(root / "shards")})
     hsdp_result = finish(hsdp)
     assert hsdp_result.returncode == 0, hsdp_result.output[-6000:]
-    launch_sft(recipe, *COMMON, "--output_dir", str(root / "flat4"), nproc=4)
+    launch_sft(TINY_LLAMA_RECIPE, *common, "--output_dir", str(root / "flat4"), nproc=4)
     # 2 per device x 4 processes x 2 accumulation steps = 16: the all-reduce across replicas waits for the last
-    launch_sft(recipe, *COMMON, "--output_dir", str(root / "hsdp_accumulated"), "--per_device_train_batch_size", "2",
-               nproc=4, config=HSDP_CPU_CONFIG)
-    launch_sft(recipe, *COMMON, "--output_dir", str(root / "one"), nproc=1)
+    launch_sft(TINY_LLAMA_RECIPE, *common, "--output_dir", str(root / "hsdp_accumulated"),
+               "--per_device_train_batch_size", "2", nproc=4, config=HSDP_CPU_CONFIG)
+    launch_sft(TINY_LLAMA_RECIPE, *common, "--output_dir", str(root / "one"), nproc=1)
 
     for layout in ("on_hsdp", "on_flat2", "on_one"):
         preempted_copy(root / "hsdp", root / layout)
-    resumed = {"on_hsdp": launch_sft(recipe, *COMMON, "--output_dir", str(root / "on_hsdp"), nproc=4,
+    resumed = {"on_hsdp": launch_sft(TINY_LLAMA_RECIPE, *common, "--output_dir", str(root / "on_hsdp"), nproc=4,
                                      config=HSDP_CPU_CONFIG),
-               "on_flat2": launch_sft(recipe, *COMMON, "--output_dir", str(root / "on_flat2"), nproc=2)}
-    launch_sft(recipe, *COMMON, "--output_dir", str(root / "on_one"), nproc=1)
+               "on_flat2": launch_sft(TINY_LLAMA_RECIPE, *common, "--output_dir", str(root / "on_flat2"), nproc=2)}
+    launch_sft(TINY_LLAMA_RECIPE, *common, "--output_dir", str(root / "on_one"), nproc=1)
     return {"root": root, "hsdp_output": hsdp_result.output,
             "resume_logs": {layout: result.stdout + result.stderr for layout, result in resumed.items()}}
 

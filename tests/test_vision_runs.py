@@ -22,7 +22,6 @@ from PIL import Image
 
 from conftest import (
     HSDP_CPU_CONFIG, REPO_ROOT, assert_resume_reproduces, bin_path, launch_sft, read_summary, run_command,
-    with_global_batch,
 )
 
 pytestmark = pytest.mark.fsdp
@@ -31,31 +30,28 @@ RECIPE = REPO_ROOT / "recipes" / "tiny" / "qwen27b-vision.yaml"
 SAVE_EVERY = 2
 
 
-@pytest.fixture(scope="module")
-def recipe(tmp_path_factory):
-    """The tiny vision recipe with a global batch of 2 blocks (derived per world size)."""
-    return with_global_batch(RECIPE, tmp_path_factory.mktemp("vision"), 2)
-
-
 COMMON = ("--max_steps", "4", "--logging_steps", "1", "--report_to", "none")
+GLOBAL_BATCH = ("--global_batch_size", "2")  # blocks per step, over the twin's fixed accumulation (derived per world)
 NO_SAMPLES = ("--sample_prompts", "[]")  # the runs only compared for their losses
 # Eval on image rows at the end of the run: the sample itself as the eval set (its rows packed whole into blocks)
 EVAL = ("--eval_datasets", "[{path: data/samples/vision/shapes.jsonl, dataset_format: vision_messages}]")
 
 
 @pytest.fixture(scope="module")
-def two_processes(recipe, tmp_path_factory):
+def two_processes(tmp_path_factory):
     out = tmp_path_factory.mktemp("vision") / "two"
-    result = launch_sft(recipe, *COMMON, *EVAL, "--dataloader_num_workers", "0", "--save_steps", str(SAVE_EVERY),
+    result = launch_sft(RECIPE, *COMMON, *GLOBAL_BATCH, *EVAL, "--dataloader_num_workers", "0",
+                        "--save_steps", str(SAVE_EVERY),
                         "--output_dir", str(out))
     return out, result
 
 
-def test_two_processes_train_like_one_on_the_same_image_blocks(recipe, two_processes, tmp_path):
+def test_two_processes_train_like_one_on_the_same_image_blocks(two_processes, tmp_path):
     out, result = two_processes
     assert "image packing preflight passed for qwen3_5" in result.stderr
     assert "vision tower frozen" in result.stderr and "merger trained" in result.stderr
-    launch_sft(recipe, *COMMON, *NO_SAMPLES, *EVAL, "--dataloader_num_workers", "2", "--save_steps", "1000",
+    launch_sft(RECIPE, *COMMON, *GLOBAL_BATCH, *NO_SAMPLES, *EVAL, "--dataloader_num_workers", "2",
+               "--save_steps", "1000",
                "--output_dir", str(tmp_path / "one"), nproc=1)
     one, two = read_summary(tmp_path / "one"), read_summary(out)
     assert list(one["losses"]) == list(two["losses"]) == ["1", "2", "3", "4"]
@@ -99,12 +95,13 @@ def test_chat_answers_about_an_image(two_processes):
     assert missing.returncode == 2 and "error: cannot read nowhere.png: missing_image" in missing.stderr
 
 
-def test_resume_after_preemption_gives_the_same_later_losses(recipe, two_processes, tmp_path):
+def test_resume_after_preemption_gives_the_same_later_losses(two_processes, tmp_path):
     out, _ = two_processes
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(out / f"checkpoint-{SAVE_EVERY}", resumed / f"checkpoint-{SAVE_EVERY}")
-    launch_sft(recipe, *COMMON, *NO_SAMPLES, *EVAL, "--dataloader_num_workers", "0", "--save_steps", str(SAVE_EVERY),
+    launch_sft(RECIPE, *COMMON, *GLOBAL_BATCH, *NO_SAMPLES, *EVAL, "--dataloader_num_workers", "0",
+               "--save_steps", str(SAVE_EVERY),
                "--output_dir", str(resumed))
     assert_resume_reproduces(out, resumed, SAVE_EVERY, atol=1e-4)
     assert read_summary(resumed)["eval_loss"] == pytest.approx(read_summary(out)["eval_loss"], abs=1e-4)

@@ -16,7 +16,7 @@ import torch
 from accelerate.data_loader import prepare_data_loader, skip_first_batches
 from torch.utils.data import DataLoader, RandomSampler
 
-from conftest import TINY_LLAMA_RECIPE, assert_resume_reproduces, launch_sft, read_summary, with_global_batch
+from conftest import TINY_LLAMA_RECIPE, assert_resume_reproduces, launch_sft, read_summary
 from sft_recipes.errors import RecipeError
 from sft_recipes.fault.checkpoints import COMPLETION_MARKER, recipe_fingerprint, training_layout, write_marker
 from sft_recipes.fault.world_size import (
@@ -145,15 +145,17 @@ STEPS, RESUME_AT = 4, 2
 def elastic_runs(tmp_path_factory):
     """1 process uninterrupted (the reference); 2 processes to step 2 resumed on 1; the reference's step 2 on 2."""
     root = tmp_path_factory.mktemp("world_size")
-    recipe = with_global_batch(TINY_LLAMA_RECIPE, root, 16)
-    save, quiet = ("--save_steps", str(RESUME_AT)), ("--report_to", "none")
-    launch_sft(recipe, *save, *quiet, "--max_steps", str(STEPS), "--output_dir", str(root / "one"), nproc=1)
-    launch_sft(recipe, *save, *quiet, "--max_steps", str(RESUME_AT), "--output_dir", str(root / "two_then_one"), nproc=2)
+    common = ("--save_steps", str(RESUME_AT), "--global_batch_size", "16")  # accumulation derived per world size
+    quiet = ("--report_to", "none")
+    launch_sft(TINY_LLAMA_RECIPE, *common, *quiet, "--max_steps", str(STEPS), "--output_dir", str(root / "one"), nproc=1)
+    launch_sft(TINY_LLAMA_RECIPE, *common, *quiet, "--max_steps", str(RESUME_AT), "--output_dir", str(root / "two_then_one"),
+               nproc=2)
     store = root / "mlflow.db"
-    launch_sft(recipe, *save, "--report_to", "mlflow", "--max_steps", str(STEPS), "--output_dir",
+    launch_sft(TINY_LLAMA_RECIPE, *common, "--report_to", "mlflow", "--max_steps", str(STEPS), "--output_dir",
                str(root / "two_then_one"), nproc=1, env={"MLFLOW_TRACKING_URI": f"sqlite:///{store}"})
     shutil.copytree(root / "one" / f"checkpoint-{RESUME_AT}", root / "one_then_two" / f"checkpoint-{RESUME_AT}")
-    launch_sft(recipe, *save, *quiet, "--max_steps", str(STEPS), "--output_dir", str(root / "one_then_two"), nproc=2)
+    launch_sft(TINY_LLAMA_RECIPE, *common, *quiet, "--max_steps", str(STEPS), "--output_dir", str(root / "one_then_two"),
+               nproc=2)
     return root, store
 
 
