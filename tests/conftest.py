@@ -8,10 +8,12 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from warm_launcher import WarmLauncher
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Real chat templates, configs and data rows with their sources: byte-for-byte copies of the team's
@@ -41,17 +43,56 @@ def bin_path(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 
 
-def run_command(cmd: list[str], env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **(env or {})}
+def command_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **(env or {})}
+
+
+_warm: WarmLauncher | None = None
+
+
+def warm_launcher() -> WarmLauncher:
+    """The session's warm launcher (tests/warm_launcher.py), started on first use."""
+    global _warm
+    if _warm is None:
+        workdir = Path(tempfile.mkdtemp(prefix="warm-launcher-"))
+        _warm = WarmLauncher(REPO_ROOT, command_environment(), workdir)
+    return _warm
+
+
+def _warm_run(cmd: list[str], env: dict[str, str], timeout: int) -> subprocess.CompletedProcess | None:
+    """`python SCRIPT.py ...` or `accelerate launch --config_file C --num_processes N --main_process_port P SCRIPT.py
+    ...` through the warm launcher; None for any other command, or an environment it cannot serve."""
+    launcher = warm_launcher()
+    if os.environ.get("SFT_TESTS_LAUNCHER") == "real" or not launcher.serves(env):
+        return None
+    if len(cmd) >= 2 and cmd[0] in (sys.executable, bin_path("python")) and cmd[1].endswith(".py"):
+        return launcher.run(cmd[1], cmd[2:], env, timeout)
+    if cmd[:2] == [bin_path("accelerate"), "launch"]:
+        flags, rest = {}, cmd[2:]
+        while rest and rest[0] in ("--config_file", "--num_processes", "--main_process_port"):
+            flags[rest[0]], rest = rest[1], rest[2:]
+        if set(flags) == {"--config_file", "--num_processes", "--main_process_port"} and rest[0].endswith(".py"):
+            return launcher.run(rest[0], rest[1:], env, timeout, config=flags["--config_file"],
+                                nproc=int(flags["--num_processes"]), port=int(flags["--main_process_port"]))
+    return None
+
+
+def run_command(cmd: list[str], env: dict[str, str] | None = None, timeout: int = 300,
+                launcher: str = "warm") -> subprocess.CompletedProcess:
+    """Run `cmd` from the repository root. `python SCRIPT` and `accelerate launch` commands go through the warm
+    launcher unless `launcher="real"` (or SFT_TESTS_LAUNCHER=real for the whole session): docs/testing.md."""
+    full_env = command_environment(env)
+    if launcher == "warm" and (result := _warm_run(cmd, full_env, timeout)) is not None:
+        return result
     return subprocess.run(cmd, cwd=REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
 def launch_sft(recipe: Path, *overrides: str, nproc: int = 2, env: dict[str, str] | None = None,
-               check: bool = True, config: Path = CPU_CONFIG) -> subprocess.CompletedProcess:
+               check: bool = True, config: Path = CPU_CONFIG, launcher: str = "warm") -> subprocess.CompletedProcess:
     """`accelerate launch --config_file fsdp2_cpu.yaml scripts/sft.py RECIPE ...` on its own port."""
     cmd = [bin_path("accelerate"), "launch", "--config_file", str(config), "--num_processes", str(nproc),
            "--main_process_port", str(free_port()), "scripts/sft.py", str(recipe), *overrides]
-    result = run_command(cmd, env)
+    result = run_command(cmd, env, launcher=launcher)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     return result
@@ -113,3 +154,33 @@ def no_launch_environment_left_behind():
     yield
     after = {name: value for name, value in os.environ.items() if name.startswith(LAUNCH_ENV_PREFIXES)}
     assert after == before, f"the test changed the launch environment: {sorted(set(after.items()) ^ set(before.items()))}"
+
+
+# ── Areas: `make test-area AREA=data` runs one area's tests, its multi-process runs included (docs/testing.md) ──
+AREAS = {
+    "data": ("alpaca_chat", "audit", "blocks", "data_validation", "formats", "masking", "masking_real_tokenizers",
+             "mixture", "packing", "packing_equivalence", "reasoning", "sample_data", "stream_drops", "vision",
+             "tiny"),
+    "planner": ("plan", "planner_communication", "dry_run", "hsdp_layout", "lint", "benchmarks_smoke"),
+    "distributed": ("distributed", "fsdp_cpu", "fsdp_wrap", "global_token_loss", "gptoss_fsdp", "hsdp",
+                    "micro_batch_gradients", "qwen_fsdp", "sequence_parallel", "sequence_parallel_runs", "lora",
+                    "merge", "mxfp4", "eval_loss", "vision_runs", "in_process", "launch"),
+    "fault": ("fault_checkpoints", "fault_guards", "fault_preemption_exit", "fault_resume", "output_disk",
+              "world_size", "refusals", "preflight_launch"),
+    "reporting": ("console", "export_check", "metrics", "reporting", "samples_chat", "summary", "vision_samples",
+                  "smollm2"),
+    "entry": ("config", "recipes", "readme_commands", "notebooks", "python_api", "parameters_file",
+              "workload_check", "workload_global_batch", "workload_runs", "suite_layout"),
+}
+AREA_OF_FILE = {f"test_{name}.py": area for area, names in AREAS.items() for name in names}
+
+
+def pytest_configure(config):
+    for area in AREAS:
+        config.addinivalue_line("markers", f"{area}: the {area} area's tests (docs/testing.md)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in AREA_OF_FILE:  # a file in no area fails tests/test_suite_layout.py
+            item.add_marker(getattr(pytest.mark, AREA_OF_FILE[item.path.name]))

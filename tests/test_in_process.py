@@ -27,7 +27,7 @@ def test_the_environment_is_what_accelerate_launch_exports(tmp_path):
                     f"open(os.path.join({str(tmp_path)!r}, 'env' + os.environ['RANK'] + '.json'), 'w')"
                     ".write(json.dumps(dict(os.environ)))\n")
     result = run_command([bin_path("accelerate"), "launch", "--config_file", str(CPU_CONFIG),
-                          "--main_process_port", str(free_port()), str(dump)], timeout=120)
+                          "--main_process_port", str(free_port()), str(dump)], timeout=120, launcher="real")
     assert result.returncode == 0, result.stderr[-3000:]
     launched = json.loads((tmp_path / "env0.json").read_text())
     launched = {name: value for name, value in launched.items() if name.startswith(EXPORTED_PREFIXES)}
