@@ -20,12 +20,14 @@ from sft_recipes.loading import model_class_for
 from sft_recipes.architectures.towers import freeze_vision_tower
 from sft_recipes.launch import read_accelerate_config
 from sft_recipes.loading import read_model_config
-from sft_recipes.model_math import GPUS, attention_flops_per_token, count_parameters, flops_per_token
 from sft_recipes.config import load_recipe
-from sft_recipes.plan import (
-    FRAGMENTATION_FRACTION, GIB, MemoryEstimate, TrainingSetup, activation_bytes_per_token, estimate_memory, estimate_step_time, format_plan,
-    make_plan, plan_recipe,
+from sft_recipes.planner.communication import estimate_step_time
+from sft_recipes.planner.memory import (
+    FRAGMENTATION_FRACTION, GIB, MemoryEstimate, activation_bytes_per_token, estimate_memory,
 )
+from sft_recipes.planner.model_math import GPUS, attention_flops_per_token, count_parameters, flops_per_token
+from sft_recipes.planner.report import format_plan, make_plan, plan_recipe
+from sft_recipes.planner.setup import TrainingSetup
 from sft_recipes.tiny import REALWORLD_DIR, tiny_config
 
 from conftest import REPO_ROOT
