@@ -296,7 +296,7 @@ def test_sequence_parallelism_keeps_the_recipes_global_batch_through_derived_acc
     # each device holds a quarter of each block's tokens, 4 times per step, at the same FLOPs per token (attention
     # over the whole block): the same work per device per step
     assert sp4.flops_per_token == sp1.flops_per_token
-    assert sp4.seconds_per_step["H100"] == pytest.approx(sp1.seconds_per_step["H100"])
+    assert sp4.compute_seconds["H100"] == pytest.approx(sp1.compute_seconds["H100"])
     text = format_plan(sp4)
     assert "1 seq/group x 32768 tokens x 4 accumulation x 2 groups = 8 sequences = 262,144 tokens" in text
     assert "SP 4: 2 groups of 4 devices share each block, 8,192 tokens per device" in text

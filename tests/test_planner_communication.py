@@ -156,7 +156,7 @@ def test_llama8b_on_16_h100_is_told_only_to_stop_checkpointing():
     assert plan.fits["H100"] and report.suggestions
     assert all(not o.setup.activation_checkpointing for o in report.suggestions)
     assert all("fsdp_activation_checkpointing: false" in o.accelerate_config for o in report.suggestions)
-    assert report.faster_that_fits().layout == report.own.layout  # FSDP and HSDP 2x8 within 5%: keep the launch's
+    assert report.layout_to_launch().layout == report.own.layout  # FSDP and HSDP 2x8 within 5%: keep the launch's
 
 
 def test_an_hsdp_shard_group_that_cannot_hold_the_run_names_the_shortfall_and_the_smallest_shard_that_fits():

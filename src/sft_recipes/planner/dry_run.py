@@ -54,8 +54,8 @@ def _dry_run_text(recipe_path: str, overrides: list[str], accelerate_config: Acc
                                nodes, gpu, intra_node_gbps, inter_node_gbps)
     except ValueError as err:  # the model's config, or sizes the planner cannot take
         raise RecipeError(str(err)) from None
-    command = f".venv/bin/accelerate launch --config_file {config_file or header_accelerate_config(recipe_path) or 'CONFIG'} " \
-              f"scripts/sft.py {recipe_path} {' '.join(overrides)}".rstrip()
+    command = launch_command(config_file or header_accelerate_config(recipe_path) or "CONFIG", recipe_path, overrides,
+                             nodes)
     text = format_plan(plan) + "\n" + format_layouts(layouts, command)
     if has_images(recipe.data):  # what the tower and the images add (planner/vision.py)
         from sft_recipes.planner.vision import vision_plan_lines
@@ -66,6 +66,14 @@ def _dry_run_text(recipe_path: str, overrides: list[str], accelerate_config: Acc
         Path(plan_json).write_text(json.dumps({**plan.to_dict(), **layouts.to_dict()}, indent=2))
         text += f"\nplan written to {plan_json}"
     return text
+
+
+def launch_command(config_name: str | Path, recipe_path: str, overrides: list[str], nodes: int) -> str:
+    """What the user runs to launch the run planned: `accelerate launch` on one node; on several, the command every
+    node runs (scripts/launch_multinode.sh, which `make llama-multinode` and the workloads' command run too)."""
+    launcher = f"scripts/launch_multinode.sh {config_name}" if nodes > 1 else \
+        f".venv/bin/accelerate launch --config_file {config_name} scripts/sft.py"
+    return f"{launcher} {recipe_path} {' '.join(overrides)}".rstrip()
 
 
 def plan_layouts(recipe: Recipe, plan: Plan, accelerate_config: AccelerateConfig | None, config_name: str | Path | None,
@@ -98,4 +106,4 @@ def plan_layouts(recipe: Recipe, plan: Plan, accelerate_config: AccelerateConfig
         recipe, LintContext(setup.world_size, True, lambda: config), list(range(1, setup.world_size // nodes + 1)))
     return layout_report(config, plan.counts, setup, nodes, gpu, links, str(config_name) if config_name else None,
                          t.global_batch_size is not None or t.global_batch_tokens is not None, reshard,
-                         sequence_parallel_sizes)
+                         sequence_parallel_sizes, t.plan_memory_headroom_gib)

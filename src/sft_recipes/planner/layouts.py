@@ -51,8 +51,9 @@ class LayoutOption:
     def step_seconds(self) -> float:
         return self.communication.step_seconds
 
-    def fits(self, gpu: str) -> bool:
-        return self.memory_gib <= GPU_BY_NAME[gpu].memory_gib
+    def fits(self, gpu: str, headroom_gib: float = 0.0) -> bool:
+        """Whether it fits ``gpu`` leaving at least ``headroom_gib`` free."""
+        return self.memory_gib + headroom_gib <= GPU_BY_NAME[gpu].memory_gib
 
     def to_dict(self, gpu: str) -> dict:
         s = self.setup
@@ -168,19 +169,21 @@ def candidate_layouts(config: PretrainedConfig, counts: ParamCounts, setup: Trai
 def suggest_layouts(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, current: MeshLayout, gpu: str,
                     links: Links, base_config: str | None = None, global_batch_in_recipe: bool = False,
                     reshard_after_forward: bool = True, sequence_parallel_sizes: Collection[int] | None = None,
-                    ) -> tuple[LayoutOption, list[LayoutOption]]:
-    """(the recipe's own layout priced, up to `SUGGESTIONS` faster layouts that fit ``gpu``; none when the
-    recipe fits and nothing is `MEANINGFUL_SPEEDUP` faster). Block length shrinks only when nothing fits."""
+                    headroom_gib: float = 0.0) -> tuple[LayoutOption, list[LayoutOption]]:
+    """(the recipe's own layout priced, up to `SUGGESTIONS` faster layouts that fit ``gpu`` with ``headroom_gib``
+    left free; none when the recipe fits so and nothing is `MEANINGFUL_SPEEDUP` faster). Block length shrinks
+    only when nothing fits."""
     own = price(config, counts, setup, current, gpu, links, reshard_after_forward)
     lengths = [setup.seq_len]
     options = [o for o in candidate_layouts(config, counts, setup, current, gpu, links, lengths, reshard_after_forward,
-                                            sequence_parallel_sizes) if o.fits(gpu)]
+                                            sequence_parallel_sizes) if o.fits(gpu, headroom_gib)]
     length = setup.seq_len
     while not options and length % 2 == 0 and length > 1024:
         length //= 2
         options = [o for o in candidate_layouts(config, counts, setup, current, gpu, links, [length],
-                                                reshard_after_forward, sequence_parallel_sizes) if o.fits(gpu)]
-    if own.fits(gpu):
+                                                reshard_after_forward, sequence_parallel_sizes)
+                   if o.fits(gpu, headroom_gib)]
+    if own.fits(gpu, headroom_gib):
         options = [o for o in options if o.step_seconds * MEANINGFUL_SPEEDUP < own.step_seconds]
 
     def changes(option: LayoutOption) -> int:
@@ -242,26 +245,34 @@ class LayoutReport:
     side_by_side: list[LayoutOption]
     suggestions: list[LayoutOption]
     base_config: str | None = None  # the accelerate config of the launch planned
+    headroom_gib: float = 0.0  # GiB per GPU every suggestion leaves free (the recipe's plan_memory_headroom_gib)
 
-    def faster_that_fits(self) -> LayoutOption | None:
-        """The fastest of the side-by-side layouts that fits; the launch's own unless another is
-        `MEANINGFUL_SPEEDUP` faster (or the own does not fit). None for one layout, or when none fits."""
+    def fastest_that_fits(self) -> LayoutOption | None:
+        """The fastest of the side-by-side layouts that fits. None for one layout, or when none fits."""
         fitting = [o for o in self.side_by_side if o.fits(self.gpu)]
         if len(self.side_by_side) < 2 or not fitting:
             return None
-        fastest = min(fitting, key=lambda o: o.step_seconds)
-        if self.own.fits(self.gpu) and fastest.step_seconds * MEANINGFUL_SPEEDUP >= self.own.step_seconds:
+        return min(fitting, key=lambda o: o.step_seconds)
+
+    def layout_to_launch(self) -> LayoutOption | None:
+        """Of the side-by-side layouts, the one to launch: the launch's own unless another that fits is
+        `MEANINGFUL_SPEEDUP` faster (or the own does not fit). None for one layout, or when none fits."""
+        fastest = self.fastest_that_fits()
+        if fastest is not None and self.own.fits(self.gpu) and \
+                fastest.step_seconds * MEANINGFUL_SPEEDUP >= self.own.step_seconds:
             return self.own
         return fastest
 
     def to_dict(self) -> dict:
-        faster = self.faster_that_fits()
+        fastest, launch = self.fastest_that_fits(), self.layout_to_launch()
         return {
             "gpu": self.gpu,
             "links_gbps": {"intra_node": self.links.intra_node_gbps, "inter_node": self.links.inter_node_gbps},
             "communication": self.own.communication.to_dict(),
             "layouts": [{**o.to_dict(self.gpu), "communication": o.communication.to_dict()} for o in self.side_by_side],
-            "faster_layout_that_fits": faster.layout.name if faster else None,
+            "faster_layout_that_fits": fastest.layout.name if fastest else None,
+            "layout_to_launch": launch.layout.name if launch else None,
+            "memory_headroom_gib": self.headroom_gib,
             "suggestions": [o.to_dict(self.gpu) for o in self.suggestions],
         }
 
@@ -269,15 +280,15 @@ class LayoutReport:
 def layout_report(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, nodes: int, gpu: str,
                   links: Links, base_config: str | None = None, global_batch_in_recipe: bool = False,
                   reshard_after_forward: bool = True, sequence_parallel_sizes: Collection[int] | None = None,
-                  ) -> LayoutReport:
+                  headroom_gib: float = 0.0) -> LayoutReport:
     """The launch's own layout priced, FSDP and HSDP side by side (several nodes), and what to change."""
     if setup.world_size % nodes:
         raise ValueError(f"{setup.world_size} processes cannot be spread evenly over {nodes} nodes.")
     current = MeshLayout(nodes, setup.world_size // nodes, setup.replicate_size)
     own, suggestions = suggest_layouts(config, counts, setup, current, gpu, links, base_config, global_batch_in_recipe,
-                                       reshard_after_forward, sequence_parallel_sizes)
+                                       reshard_after_forward, sequence_parallel_sizes, headroom_gib)
     side_by_side = compare_layouts(config, counts, setup, nodes, gpu, links, reshard_after_forward)
     side_by_side = [own if o.layout == current else o for o in side_by_side]
     if current not in [o.layout for o in side_by_side]:
         side_by_side.insert(0, own)
-    return LayoutReport(gpu, links, own, side_by_side, suggestions, base_config)
+    return LayoutReport(gpu, links, own, side_by_side, suggestions, base_config, headroom_gib)

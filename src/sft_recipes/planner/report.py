@@ -23,7 +23,7 @@ from sft_recipes.planner.communication import LINK_EFFICIENCY, estimate_step_tim
 from sft_recipes.planner.layouts import LayoutReport, hsdp_config_name
 from sft_recipes.planner.memory import MemoryEstimate, estimate_eval_gib, estimate_memory, fit_table
 from sft_recipes.planner.model_math import (
-    GPUS, ParamCounts, attention_flops_per_token, count_parameters, flops_per_token,
+    GPU_BY_NAME, GPUS, ParamCounts, attention_flops_per_token, count_parameters, flops_per_token,
 )
 from sft_recipes.planner.setup import TrainingSetup, dtype_name, training_setup
 
@@ -42,7 +42,8 @@ class Plan:
     memory: MemoryEstimate
     flops_per_token: float
     attention_flops_per_token: float
-    seconds_per_step: dict[str, float]
+    compute_seconds: dict[str, float]  # per optimizer step on each GPU type, FLOPs at the MFU; the step with its
+    # communication is `communication.estimate_communication`'s (the dry run's layouts table)
     headroom_gib: dict[str, float]
     eval_gib: float | None = None  # peak per GPU while evaluating; None: the run does not evaluate
 
@@ -93,7 +94,7 @@ class Plan:
             "flops_per_token": self.flops_per_token,
             "attention_flops_per_token": self.attention_flops_per_token,
             "mfu": self.setup.mfu,
-            "seconds_per_step": self.seconds_per_step,
+            "compute_seconds_per_step": self.compute_seconds,
             "eval_peak_gib": self.eval_gib,
             "setup": setup,
             "counts": counts,
@@ -115,7 +116,7 @@ def make_plan(model: PretrainedConfig | str | Path, setup: TrainingSetup, lora: 
         memory=memory,
         flops_per_token=flops_per_token(config, counts, setup.seq_len),
         attention_flops_per_token=attention_flops_per_token(config, setup.seq_len),
-        seconds_per_step={gpu.name: estimate_step_time(config, counts, setup, gpu.name) for gpu in GPUS},
+        compute_seconds={gpu.name: estimate_step_time(config, counts, setup, gpu.name) for gpu in GPUS},
         headroom_gib=fit_table(memory),
         eval_gib=estimate_eval_gib(config, setup, memory),
     )
@@ -190,15 +191,16 @@ def format_plan(plan: Plan) -> str:
         row("FLOPs per token", f"{plan.flops_per_token:.4g} = {4 if c.lora_ranks else 6} x "
             f"{_billions(c.flop_params)} matmul params{' + 6 x trainable' if c.lora_ranks else ''} "
             f"+ attention {plan.attention_flops_per_token:.4g}"),
-        row("step time", f"{tokens_per_device:,} tokens/device x FLOPs per token "
-            f"/ ({s.mfu:.0%} MFU x dense bf16 peak)"),
-        f"  {'GPU':<8}{'GiB':>9}{'fits':>6}{'headroom':>10}{'peak TFLOP/s':>14}{'s/step':>10}",
+        row("compute time", f"{tokens_per_device:,} tokens/device x FLOPs per token "
+            f"/ ({s.mfu:.0%} MFU x dense bf16 peak); the step time adds the communication compute does not hide: "
+            "s/step in the layouts table below"),
+        f"  {'GPU':<8}{'GiB':>9}{'fits':>6}{'headroom':>10}{'peak TFLOP/s':>14}{'compute s':>10}",
     ]
     for gpu in GPUS:
         fits = "yes" if plan.fits[gpu.name] else "NO"
         lines.append(
             f"  {gpu.name:<8}{gpu.memory_gib:>9.1f}{fits:>6}{plan.headroom_gib[gpu.name]:>10.1f}"
-            f"{gpu.peak_bf16_flops / 1e12:>14,.0f}{plan.seconds_per_step[gpu.name]:>10.2f}"
+            f"{gpu.peak_bf16_flops / 1e12:>14,.0f}{plan.compute_seconds[gpu.name]:>10.2f}"
         )
     return "\n".join(lines)
 
@@ -231,21 +233,22 @@ def format_layouts(report: LayoutReport, command: str) -> str:
             f"{c.link_seconds['inter-node']:>10.3f}{c.exposed_seconds:>10.3f}{c.step_seconds:>8.3f}  {c.bound}")
     if report.own.communication.nodes == 1:
         lines.append("    one node: every collective stays on NVLink, no inter-node term")
-    faster = report.faster_that_fits()
-    if faster is not None:
-        others = ", ".join(f"{o.layout.name} {o.step_seconds:.3f} s" for o in report.side_by_side)
-        lines.append(f"  faster layout that fits: {faster.layout.name} ({others} per step)"
-                     + (", the launch's own (no other is 5% faster)" if faster.layout == report.own.layout else
-                        f": launch with {hsdp_config_name(faster.layout, report.base_config)}"))
-    elif len(report.side_by_side) > 1:
-        lines.append("  faster layout that fits: none of these fits on " + report.gpu)
+    lines += _faster_layout_lines(report)
+    memory, headroom = GPU_BY_NAME[report.gpu].memory_gib, report.headroom_gib
+    kept = f"each leaving at least {headroom:.1f} GiB of {memory:.1f} free (plan_memory_headroom_gib)"
+    roomy = report.own.fits(report.gpu, headroom)
     if not report.suggestions:
-        verdict = ("fits, and no layout this project runs is 5% faster at the same global batch" if report.own.fits(report.gpu)
-                   else "nothing this project can run fits, even with shorter blocks")
+        verdict = (f"fits with {headroom:.1f} GiB free, and no layout this project runs is 5% faster at the same "
+                   "global batch" if roomy else
+                   f"nothing this project can run fits with {headroom:.1f} GiB free (plan_memory_headroom_gib), "
+                   "even with shorter blocks")
         lines.append(f"  what to change: nothing ({verdict})")
         return "\n".join(lines)
-    why = "fits, but faster" if report.own.fits(report.gpu) else f"does not fit on {report.gpu}; these do"
-    lines.append(f"  what to change (this run {why}; same global batch; best first):")
+    why = ("fits, but faster" if roomy else
+           f"leaves {memory - report.own.memory_gib:.1f} GiB free, under the headroom; these leave more"
+           if report.own.fits(report.gpu) else f"does not fit on {report.gpu}; these do")
+    every_node = "; run on every node" if report.own.communication.nodes > 1 else ""
+    lines.append(f"  what to change (this run {why}; same global batch; {kept}{every_node}; best first):")
     for option in report.suggestions:
         s = option.setup
         sequences = s.micro_batch_size * s.gradient_accumulation_steps * s.data_parallel_size
@@ -257,6 +260,37 @@ def format_layouts(report: LayoutReport, command: str) -> str:
     return "\n".join(lines)
 
 
+def _faster_layout_lines(report: LayoutReport) -> list[str]:
+    """Which side-by-side layout is faster, never calling the slower one so, and when HSDP wins, from the model."""
+    if len(report.side_by_side) < 2:
+        return []
+    fastest, launch, own = report.fastest_that_fits(), report.layout_to_launch(), report.own
+    if fastest is None:
+        return [f"  faster layout that fits: none of these fits on {report.gpu}"]
+    times = ", ".join(f"{o.layout.name} {o.step_seconds:.3f} s" for o in report.side_by_side)
+    line = f"  faster layout that fits: {fastest.layout.name} ({times} per step)"
+    if fastest.layout == own.layout:
+        line += ", the launch's own"
+    elif launch.layout == own.layout:
+        line += (f", {own.step_seconds / fastest.step_seconds - 1:.1%} faster than the launch's own {own.layout.name}: "
+                 "under 5%, within the model's error, so keep the launch's own")
+    else:
+        line += f": launch with {hsdp_config_name(fastest.layout, report.base_config)}"
+    lines = [line]
+    flat = next((o for o in report.side_by_side if o.layout.replicate == 1), None)
+    hsdp = next((o for o in report.side_by_side if o.layout.replicate > 1), None)
+    if flat and hsdp:
+        f, h = flat.communication, hsdp.communication
+        verdict = "wins here" if hsdp.step_seconds < flat.step_seconds else "does not win here"
+        lines.append(
+            f"  {hsdp.layout.name} against flat FSDP, in this model: network busy {h.link_seconds['inter-node']:.3f} s "
+            f"against {f.link_seconds['inter-node']:.3f} s, exposed {h.exposed_seconds:.3f} s against "
+            f"{f.exposed_seconds:.3f} s per step, {hsdp.memory_gib:.1f} GiB per GPU against {flat.memory_gib:.1f}: "
+            f"HSDP {verdict}. It wins when flat FSDP's network traffic no longer hides behind compute (gradient "
+            "accumulation, small micro-batches, bf16 reduction, a slow network) and the state fits one replica")
+    return lines
+
+
 EDITED_CONFIG = "my_accelerate_config.yaml"  # the name a suggested launch gives a config the user must write
 
 
@@ -266,7 +300,9 @@ def suggested_launch(command: str, overrides: tuple[str, ...], accelerate_config
     if not accelerate_config:
         return [f"{command} {' '.join(overrides)}".rstrip()]
     shipped = " " not in accelerate_config
-    launch = re.sub(r"--config_file \S+", f"--config_file {accelerate_config if shipped else EDITED_CONFIG}", command)
+    # the config follows `--config_file` (accelerate launch) or is the first argument (scripts/launch_multinode.sh)
+    launch = re.sub(r"(--config_file |launch_multinode\.sh )\S+",
+                    lambda m: m.group(1) + (accelerate_config if shipped else EDITED_CONFIG), command)
     lines = [f"{launch} {' '.join(overrides)}".rstrip()]
     return lines if shipped else [*lines, f"{EDITED_CONFIG}: {accelerate_config}"]
 
