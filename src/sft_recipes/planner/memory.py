@@ -393,4 +393,3 @@ def estimate_eval_gib(config: PretrainedConfig, setup: TrainingSetup, memory: Me
 def fit_table(memory: MemoryEstimate) -> dict[str, float]:
     """Headroom in GiB per GPU type (negative: does not fit)."""
     return {gpu.name: gpu.memory_gib - memory.total for gpu in GPUS}
-

@@ -305,4 +305,3 @@ def suggested_launch(command: str, overrides: tuple[str, ...], accelerate_config
                     lambda m: m.group(1) + (accelerate_config if shipped else EDITED_CONFIG), command)
     lines = [f"{launch} {' '.join(overrides)}".rstrip()]
     return lines if shipped else [*lines, f"{EDITED_CONFIG}: {accelerate_config}"]
-

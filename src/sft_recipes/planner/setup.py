@@ -85,7 +85,6 @@ class TrainingSetup:
         return self.world_size // self.sequence_parallel_size
 
 
-
 def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -122,7 +121,6 @@ def training_setup(recipe: Recipe, accelerate_config: AccelerateConfig | None, w
     )
 
 
-
 def header_gpu(recipe_path: str | Path) -> str:
     """The GPU a recipe's first line says it is for ("-- 1 node x 8 B300 288GB"), else H100."""
     path = Path(recipe_path)
@@ -138,4 +136,3 @@ def launch_mesh(accelerate_config: AccelerateConfig | None, world_size: int) -> 
     nodes = world_size // per_node if world_size % per_node == 0 else 1
     parallelism = accelerate_config.parallelism if accelerate_config else None
     return max(nodes, 1), parallelism.dp_replicate if parallelism else 1
-
