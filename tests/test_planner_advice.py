@@ -42,7 +42,7 @@ def test_the_faster_layout_is_the_faster_one_and_the_model_says_why_hsdp_does_no
     assert "1.3% faster than the launch's own HSDP 4x8: under 5%, within the model's error, so keep the launch's own" \
         in text and plan["layout_to_launch"] == "HSDP 4x8"
     assert "HSDP 4x8 against flat FSDP, in this model: network busy 0.151 s against 0.188 s, exposed 0.030 s against " \
-           "0.024 s per step, 27.2 GiB per GPU against 15.4: HSDP does not win here." in text
+           "0.024 s per step, 27.2 GiB per GPU against 15.4: the two are within 5% here (HSDP 1.3% slower)." in text
 
 
 def test_on_a_slow_network_with_bf16_reduction_hsdp_wins_and_is_named_so(tmp_path):
@@ -50,7 +50,7 @@ def test_on_a_slow_network_with_bf16_reduction_hsdp_wins_and_is_named_so(tmp_pat
                          inter_node_gbps=50)
     named, times = faster_line(text)
     assert named == "HSDP 4x8" and times["HSDP 4x8"] < times["FSDP"] / 1.05
-    assert ": HSDP wins here." in text and plan["faster_layout_that_fits"] == plan["layout_to_launch"] == "HSDP 4x8"
+    assert ": HSDP wins here. HSDP wins when" in text and plan["faster_layout_that_fits"] == plan["layout_to_launch"] == "HSDP 4x8"
 
 
 def test_multi_node_suggestions_are_the_command_every_node_runs(tmp_path):

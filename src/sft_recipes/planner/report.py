@@ -20,7 +20,7 @@ from transformers import PretrainedConfig
 
 from sft_recipes.loading import read_model_config
 from sft_recipes.planner.communication import LINK_EFFICIENCY, estimate_step_time
-from sft_recipes.planner.layouts import LayoutReport, hsdp_config_name
+from sft_recipes.planner.layouts import MEANINGFUL_SPEEDUP, LayoutReport, hsdp_config_name
 from sft_recipes.planner.memory import MemoryEstimate, estimate_eval_gib, estimate_memory, fit_table
 from sft_recipes.planner.model_math import (
     GPU_BY_NAME, GPUS, ParamCounts, attention_flops_per_token, count_parameters, flops_per_token,
@@ -281,12 +281,15 @@ def _faster_layout_lines(report: LayoutReport) -> list[str]:
     hsdp = next((o for o in report.side_by_side if o.layout.replicate > 1), None)
     if flat and hsdp:
         f, h = flat.communication, hsdp.communication
-        verdict = "wins here" if hsdp.step_seconds < flat.step_seconds else "does not win here"
+        ratio = flat.step_seconds / hsdp.step_seconds
+        verdict = ("HSDP wins here" if ratio > MEANINGFUL_SPEEDUP else "flat FSDP wins here" if
+                   ratio * MEANINGFUL_SPEEDUP < 1 else f"the two are within 5% here (HSDP {abs(ratio - 1):.1%} "
+                   f"{'faster' if ratio > 1 else 'slower'})")
         lines.append(
             f"  {hsdp.layout.name} against flat FSDP, in this model: network busy {h.link_seconds['inter-node']:.3f} s "
             f"against {f.link_seconds['inter-node']:.3f} s, exposed {h.exposed_seconds:.3f} s against "
             f"{f.exposed_seconds:.3f} s per step, {hsdp.memory_gib:.1f} GiB per GPU against {flat.memory_gib:.1f}: "
-            f"HSDP {verdict}. It wins when flat FSDP's network traffic no longer hides behind compute (gradient "
+            f"{verdict}. HSDP wins when flat FSDP's network traffic no longer hides behind compute (gradient "
             "accumulation, small micro-batches, bf16 reduction, a slow network) and the state fits one replica")
     return lines
 
