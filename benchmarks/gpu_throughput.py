@@ -14,7 +14,7 @@ sequence parallelism at SP 1/2/4.
    without and with Liger kernels applied the way ``use_liger_kernel=True`` applies them
    (``transformers.integrations.liger.apply_liger_kernel``: fused linear cross-entropy, RMSNorm,
    RoPE, SwiGLU). Reported: real (non-padding) tokens/s after warm-up, MFU against the GPU's dense
-   bf16 peak with the FLOPs ``sft_recipes.plan.flops_per_token`` counts (6N + causal attention per
+   bf16 peak with the FLOPs ``sft_recipes.planner.model_math.flops_per_token`` counts (6N + causal attention per
    document, the same MFU the training run logs), peak memory.
 2. qwen3_5 kernels: a shrunk random Qwen3.5 (the preflight's model: real layer pattern and head
    dims, slow gates so a leak would be large) runs one packed row of 4 examples with
@@ -184,7 +184,7 @@ def throughput_rows(options: argparse.Namespace, device) -> tuple[list[list[Any]
     from transformers import LlamaForCausalLM
 
     from sft_recipes.metrics import accelerator_peak_flops
-    from sft_recipes.model_math import count_parameters, flops_per_token
+    from sft_recipes.planner.model_math import count_parameters, flops_per_token
 
     config = llama_config(options.model)
     attention = attention_implementation(device)

@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import environment_header  # noqa: E402
 
-from sft_recipes.communication import Links, MeshLayout  # noqa: E402
-from sft_recipes.layouts import price  # noqa: E402
 from sft_recipes.loading import read_model_config  # noqa: E402
-from sft_recipes.model_math import count_parameters  # noqa: E402
-from sft_recipes.plan import TrainingSetup  # noqa: E402
+from sft_recipes.planner.communication import Links, MeshLayout  # noqa: E402
+from sft_recipes.planner.layouts import price  # noqa: E402
+from sft_recipes.planner.model_math import count_parameters  # noqa: E402
+from sft_recipes.planner.setup import TrainingSetup  # noqa: E402
 from sft_recipes.tiny import REALWORLD_DIR  # noqa: E402
 
 LLAMA_8B = REALWORLD_DIR / "model_configs" / "meta-llama__Llama-3.1-8B.json"

@@ -24,7 +24,7 @@ set_runtime_defaults()  # before anything imports huggingface_hub or touches CUD
 from sft_recipes.config import load_recipe
 from sft_recipes.distributed import process_group_destroyed_on_exit
 from sft_recipes.errors import one_line_refusals
-from sft_recipes.plan import plan_dry_run
+from sft_recipes.planner.dry_run import plan_dry_run
 from sft_recipes.run import audit_data, complete_run, start_run
 from sft_recipes.workload import dry_run_as_the_workload
 

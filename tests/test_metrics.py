@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sft_recipes.metrics import ThroughputMeter, real_tokens_and_attention_length
-from sft_recipes.model_math import count_parameters, flops_per_token
+from sft_recipes.planner.model_math import count_parameters, flops_per_token
 from sft_recipes.tiny import tiny_config
 
 

@@ -20,12 +20,14 @@ from sft_recipes.loading import model_class_for
 from sft_recipes.architectures.towers import freeze_vision_tower
 from sft_recipes.launch import read_accelerate_config
 from sft_recipes.loading import read_model_config
-from sft_recipes.model_math import GPUS, attention_flops_per_token, count_parameters, flops_per_token
 from sft_recipes.config import load_recipe
-from sft_recipes.plan import (
-    FRAGMENTATION_FRACTION, GIB, MemoryEstimate, TrainingSetup, activation_bytes_per_token, estimate_memory, estimate_step_time, format_plan,
-    make_plan, plan_recipe,
+from sft_recipes.planner.communication import estimate_step_time
+from sft_recipes.planner.memory import (
+    FRAGMENTATION_FRACTION, GIB, MemoryEstimate, activation_bytes_per_token, estimate_memory,
 )
+from sft_recipes.planner.model_math import GPUS, attention_flops_per_token, count_parameters, flops_per_token
+from sft_recipes.planner.report import format_plan, make_plan, plan_recipe
+from sft_recipes.planner.setup import TrainingSetup
 from sft_recipes.tiny import REALWORLD_DIR, tiny_config
 
 from conftest import REPO_ROOT
@@ -294,7 +296,7 @@ def test_sequence_parallelism_keeps_the_recipes_global_batch_through_derived_acc
     # each device holds a quarter of each block's tokens, 4 times per step, at the same FLOPs per token (attention
     # over the whole block): the same work per device per step
     assert sp4.flops_per_token == sp1.flops_per_token
-    assert sp4.seconds_per_step["H100"] == pytest.approx(sp1.seconds_per_step["H100"])
+    assert sp4.compute_seconds["H100"] == pytest.approx(sp1.compute_seconds["H100"])
     text = format_plan(sp4)
     assert "1 seq/group x 32768 tokens x 4 accumulation x 2 groups = 8 sequences = 262,144 tokens" in text
     assert "SP 4: 2 groups of 4 devices share each block, 8,192 tokens per device" in text

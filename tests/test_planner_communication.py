@@ -8,13 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-from sft_recipes.communication import LINKS_GBPS, Links, MeshLayout, estimate_communication
 from sft_recipes.config import load_recipe
-from sft_recipes.layouts import compare_layouts, format_layouts, layout_report, shard_group_shortfall
 from sft_recipes.loading import read_model_config
-from sft_recipes.model_math import count_parameters
 from sft_recipes.launch import read_accelerate_config
-from sft_recipes.plan import TrainingSetup, plan_recipe
+from sft_recipes.planner.communication import LINKS_GBPS, Links, MeshLayout, estimate_communication
+from sft_recipes.planner.layouts import compare_layouts, layout_report, shard_group_shortfall
+from sft_recipes.planner.model_math import count_parameters
+from sft_recipes.planner.report import format_layouts, plan_recipe
+from sft_recipes.planner.setup import TrainingSetup
 from sft_recipes.tiny import REALWORLD_DIR
 
 from conftest import REPO_ROOT
@@ -155,7 +156,7 @@ def test_llama8b_on_16_h100_is_told_only_to_stop_checkpointing():
     assert plan.fits["H100"] and report.suggestions
     assert all(not o.setup.activation_checkpointing for o in report.suggestions)
     assert all("fsdp_activation_checkpointing: false" in o.accelerate_config for o in report.suggestions)
-    assert report.faster_that_fits().layout == report.own.layout  # FSDP and HSDP 2x8 within 5%: keep the launch's
+    assert report.layout_to_launch().layout == report.own.layout  # FSDP and HSDP 2x8 within 5%: keep the launch's
 
 
 def test_an_hsdp_shard_group_that_cannot_hold_the_run_names_the_shortfall_and_the_smallest_shard_that_fits():
@@ -172,7 +173,7 @@ def test_an_hsdp_shard_group_that_cannot_hold_the_run_names_the_shortfall_and_th
 
 
 def test_the_dry_run_plans_for_the_gpu_the_recipe_header_names(tmp_path):
-    from sft_recipes.plan import header_gpu
+    from sft_recipes.planner.setup import header_gpu
 
     assert (header_gpu(REPO_ROOT / "recipes" / "qwen27b.yaml"), header_gpu(REPO_ROOT / "recipes" / "llama8b.yaml")) == \
         ("B300", "H100")
@@ -182,7 +183,7 @@ def test_the_dry_run_plans_for_the_gpu_the_recipe_header_names(tmp_path):
 
 
 def test_a_layout_change_names_the_config_to_launch_with():
-    from sft_recipes.layouts import hsdp_config_name
+    from sft_recipes.planner.layouts import hsdp_config_name
 
     # back to flat FSDP from an HSDP launch: the shipped flat config of that many nodes, else the base without it
     assert hsdp_config_name(MeshLayout(2, 8, 1), "/tmp/mine.yaml") == "accelerate_configs/fsdp2_2node.yaml"
@@ -193,7 +194,7 @@ def test_a_layout_change_names_the_config_to_launch_with():
 
 
 def test_a_suggested_launch_runs_on_the_config_it_needs():
-    from sft_recipes.layouts import suggested_launch
+    from sft_recipes.planner.report import suggested_launch
 
     command = ".venv/bin/accelerate launch --config_file accelerate_configs/fsdp2_2node.yaml scripts/sft.py recipes/llama8b.yaml"
     assert suggested_launch(command, ("--max_length", "4096"), None) == [f"{command} --max_length 4096"]
@@ -221,7 +222,7 @@ def test_the_sequence_parallel_sizes_a_recipe_takes_are_those_its_run_would_laun
 
 
 def test_no_suggestion_is_a_sequence_parallel_size_the_run_refuses():
-    from sft_recipes.plan import plan_layouts
+    from sft_recipes.planner.dry_run import plan_layouts
 
     loaded = load_recipe(REPO_ROOT / "recipes" / "qwen27b-vision.yaml", {"model_name_or_path": str(QWEN_27B),
                                                                           "global_batch_size": 16}, planning=True)

@@ -261,7 +261,7 @@ def test_preflight_passes_the_real_qwen3_5_config_and_refuses_a_leaking_packing(
 
 
 def test_dry_run_plans_the_vision_tower_and_the_image_tokens():
-    from sft_recipes.plan import plan_dry_run
+    from sft_recipes.planner.dry_run import plan_dry_run
     from sft_recipes.tiny import REALWORLD_DIR
 
     config = str(REALWORLD_DIR / "model_configs" / "Qwen__Qwen3.5-27B.derived.json")

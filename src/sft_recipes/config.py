@@ -175,6 +175,11 @@ class TrainingArguments(SFTConfig):
         default="float32",
         metadata={"help": "Gradient reduce-scatter dtype under FSDP2 mixed precision (fp32 keeps small updates)."},
     )
+    plan_memory_headroom_gib: float = field(
+        default=2.0,
+        metadata={"help": "--dry-run: GiB per GPU a suggested layout must leave free beyond the plan's own CUDA and "
+                  "fragmentation allowance (the memory model's error, other processes); one leaving less is not offered."},
+    )
     max_nonfinite_steps_in_a_row: int = field(
         default=3,
         metadata={"help": "Steps with a non-finite gradient norm are skipped; after this many in a row, checkpoint and stop."},

@@ -1,8 +1,8 @@
 """The launch layout, in one place: accelerate configs, the config a recipe header names, what
 `accelerate launch` exports from a config, and nodes x processes per node.
 
-Everything that has to agree with a launch reads it here: `--dry-run` (plan.py), the launch
-preflight (preflight_launch.py, run by scripts/launch_multinode.sh), the workload check
+Everything that has to agree with a launch reads it here: `--dry-run` (planner/dry_run.py), the
+launch preflight (preflight_launch.py, run by scripts/launch_multinode.sh), the workload check
 (workload.py) and in-process entry points that must apply a config the way `accelerate launch`
 would. Reads YAML only: nothing of torch or the run is imported.
 

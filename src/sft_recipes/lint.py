@@ -114,7 +114,7 @@ def wrap_class_absent_from_model(recipe: Recipe, ctx: LintContext) -> str | None
     if not wanted or ctx.model_config is None:
         return None
     from sft_recipes.fsdp_wrap import resolve_fsdp_wrap_classes
-    from sft_recipes.model_math import build_meta_model
+    from sft_recipes.planner.model_math import build_meta_model
 
     try:  # the meta model has the real module tree, at no memory cost
         resolve_fsdp_wrap_classes(build_meta_model(ctx.model_config), wanted)

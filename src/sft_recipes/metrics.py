@@ -1,8 +1,8 @@
 """Live throughput: real tokens/s per device, MFU against the accelerator's peak, peak memory.
 
-FLOPs per token come from `sft_recipes.model_math.flops_per_token` (6N + attention for full fine-tuning,
-4N + 6 x trainable for a frozen LoRA base), the same function the dry-run planner uses, so the
-planned and the measured MFU are the same quantity.
+FLOPs per token come from `sft_recipes.planner.model_math.flops_per_token` (6N + attention for full
+fine-tuning, 4N + 6 x trainable for a frozen LoRA base), the same function the dry-run planner uses,
+so the planned and the measured MFU are the same quantity.
 
 Under sequence parallelism a rank of an N-rank group computes 1/N of its blocks: the MLPs and
 projections of its chunk's tokens, and attention over the whole block for 1/N of the heads. Both
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sft_recipes.model_math import GPUS, count_parameters, flops_per_token
+from sft_recipes.planner.model_math import GPUS, count_parameters, flops_per_token
 
 
 def accelerator_peak_flops(device: torch.device) -> tuple[float | None, str]:

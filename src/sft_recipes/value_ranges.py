@@ -61,6 +61,7 @@ RANGES: dict[str, Range] = {
     "global_batch_size": AT_LEAST_ONE,
     "global_batch_tokens": AT_LEAST_ONE,
     "max_nonfinite_steps_in_a_row": AT_LEAST_ONE,
+    "plan_memory_headroom_gib": Range(0, note="0 offers layouts that fill the GPU"),
     "sequence_parallel_size": Range(1, note="1 turns it off"),
     "sample_max_new_tokens": AT_LEAST_ONE,
     "min_pixels": Range(1, note="pixels of the smallest resized image; null keeps the checkpoint's"),

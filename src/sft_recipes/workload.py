@@ -71,7 +71,7 @@ from sft_recipes.launch import AccelerateConfig, read_accelerate_config
 # ---- the runtime's rules (facts from the Databricks CLI, see the module docstring) ----------------
 
 GPUS_PER_NODE = {"GPU_1xA10": 1, "GPU_1xH100": 1, "GPU_8xH100": 8, "GPU_8xB300": 8}
-# The planner's name for each accelerator type's GPU (model_math.GPUS); A10 is not planned.
+# The planner's name for each accelerator type's GPU (planner.model_math.GPUS); A10 is not planned.
 PLANNED_GPU = {"GPU_1xH100": "H100", "GPU_8xH100": "H100", "GPU_8xB300": "B300"}
 DEFAULT_MAX_RETRIES = 3
 MAX_COMMAND_LINES = 1000
@@ -394,7 +394,7 @@ def header_variants(recipe_path: Path) -> list[str]:
 def _plan(recipe: str, overrides_json: str, config_path: str, world_size: int):
     """The --dry-run plan (cached: broken copies of one workload share it)."""
     from sft_recipes.config import load_recipe
-    from sft_recipes.plan import plan_recipe
+    from sft_recipes.planner.report import plan_recipe
 
     config = read_accelerate_config(config_path)
     return plan_recipe(load_recipe(recipe, json.loads(overrides_json), planning=True), config, world_size)

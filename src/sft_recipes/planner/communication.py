@@ -1,4 +1,5 @@
-"""What a step sends, over which link, and how much of it compute hides: the planner's communication model.
+"""How long a step computes, what it sends, over which link, and how much of that compute hides: the
+planner's time and communication model.
 
 Per optimizer step and per GPU, from the exact parameter counts (`model_math.count_parameters`) and
 the run's dtypes, for FSDP2 over a 2-D mesh of ``replicate`` x ``shard`` ranks (flat FSDP: replicate 1):
@@ -15,7 +16,7 @@ the run's dtypes, for FSDP2 over a 2-D mesh of ``replicate`` x ``shard`` ranks (
 - all-reduce   under HSDP, the reduce-scattered gradient shard (the sum of the step's micro-batches) across the
                replicas, once per optimizer step: the run defers it to the step's last micro-batch
                (`distributed.replicas_reduced_at_the_step_end`, FSDP2's `set_requires_all_reduce`).
-- all-to-all   sequence parallelism's exchanges (`plan._exchange_bytes_per_token`, the same buffers the
+- all-to-all   sequence parallelism's exchanges (`memory.exchange_bytes_per_token`, the same buffers the
                memory model counts), forward and backward, plus the recomputed forward under checkpointing.
 
 A ring collective over ``n`` ranks puts ``(n-1)/n`` of the message on each rank's link (all-gather,
@@ -37,7 +38,7 @@ all-to-all sits inside the layer's data dependencies: exposed whole. Activation 
 what it offloads to the host during forward and back during backward, on side streams over PCIe:
 exposed only where a pass's copies outlast its compute.
 
-Compute: `plan.estimate_step_time` (model FLOPs at the assumed MFU), taken as the time of a run with
+Compute: `estimate_step_time` (model FLOPs at the assumed MFU), taken as the time of a run with
 activation checkpointing; without it the step does 6 instead of 8 hardware FLOPs per parameter and
 token, 3/4 of the time. A layer's backward is 3/4 of the checkpointed layer's time (recompute +
 backward), 2/3 without checkpointing.
@@ -52,12 +53,12 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from sft_recipes.model_math import ParamCounts
+from sft_recipes.planner.memory import exchange_bytes_per_token
+from sft_recipes.planner.model_math import GPU_BY_NAME, ParamCounts, flops_per_token, layer_types, text_config_of
+from sft_recipes.planner.setup import TrainingSetup, dtype_bytes
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-    from sft_recipes.plan import TrainingSetup
 
 GBIT = 1e9 / 8  # bytes per second in one Gb/s
 
@@ -90,6 +91,18 @@ PCIE_GBPS = 512.0
 
 INTRA, INTER, PCIE = "intra-node", "inter-node", "host (PCIe)"
 COMPUTE = "compute"
+
+
+def estimate_step_time(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, gpu: str) -> float:
+    """Seconds per optimizer step on ``gpu``: each device trains micro_batch x seq_len / sequence_parallel_size
+    x accumulation tokens at `flops_per_token` (whose attention term is over the whole block: under SP
+    a rank attends for its heads over all of it), at ``setup.mfu`` of the GPU's dense bf16 peak.
+    Activation offloading's host copies are taken as hidden behind compute (TRL runs them on a side stream)."""
+    if gpu not in GPU_BY_NAME:
+        raise ValueError(f"Unknown GPU {gpu!r}: use one of {sorted(GPU_BY_NAME)}.")
+    tokens_per_device = setup.tokens_per_rank * setup.gradient_accumulation_steps
+    flops = tokens_per_device * flops_per_token(config, counts, setup.seq_len)
+    return flops / (setup.mfu * GPU_BY_NAME[gpu].peak_bf16_flops)
 
 
 @dataclass(frozen=True)
@@ -238,13 +251,10 @@ def estimate_communication(config: PretrainedConfig, counts: ParamCounts, setup:
 
     ``offloaded_bytes``: activations one micro-batch offloads to the host per GPU (`MemoryEstimate.activations_offloaded`).
     """
-    from sft_recipes.plan import _bytes, _exchange_bytes_per_token, estimate_step_time
-    from sft_recipes.model_math import layer_types, text_config_of
-
     if layout.world_size != setup.world_size:
         raise ValueError(f"the layout has {layout.world_size} GPUs, the setup {setup.world_size}.")
     links = links or Links.for_gpu(gpu)
-    compute_b, reduce_b = _bytes(setup.compute_dtype), _bytes(setup.reduce_dtype)
+    compute_b, reduce_b = dtype_bytes(setup.compute_dtype), dtype_bytes(setup.reduce_dtype)
     unit_params, unit_trainable, units = _unit_sizes(counts)
     shard_nodes, shard_per_node = layout.spread(layout.shard, contiguous=True)
     replica_nodes, replica_per_node = layout.spread(layout.replicate, contiguous=False)
@@ -264,7 +274,7 @@ def estimate_communication(config: PretrainedConfig, counts: ParamCounts, setup:
     # sequence parallelism: per layer, one rank trades half its send + receive buffers, forward and backward
     sp = setup.sequence_parallel_size
     text_config = text_config_of(config)
-    exchanged = sum(_exchange_bytes_per_token(text_config, kind, setup) for kind in layer_types(text_config)) / 2
+    exchanged = sum(exchange_bytes_per_token(text_config, kind, setup) for kind in layer_types(text_config)) / 2
     sp_nodes, sp_per_node = layout.spread(sp, contiguous=True)
     passes = 3 if setup.activation_checkpointing else 2  # forward, backward (+ the recomputed forward)
     all_to_all = Collective("all-to-all", exchanged * setup.tokens_per_rank / max(units, 1), sp, sp_nodes, sp_per_node)

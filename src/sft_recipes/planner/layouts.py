@@ -2,7 +2,7 @@
 not fit (or fits but a faster layout exists), and whether an HSDP shard group can hold the model.
 
 Every candidate keeps the recipe's global batch (sequences x block length per optimizer step) and
-is priced by `plan.estimate_memory` (per GPU, the shard group dividing the state) and
+is priced by `memory.estimate_memory` (per GPU, the shard group dividing the state) and
 `communication.estimate_communication` (compute + exposed communication). What varies, in the
 order a user would rather change it: micro-batch and accumulation, sequence-parallel size (flat
 FSDP only: the linter refuses SP with HSDP), activation offloading, FSDP vs HSDP (replicas = a
@@ -17,24 +17,23 @@ itself changes, the accelerate config to launch with.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sft_recipes.communication import CommunicationEstimate, Links, MeshLayout, estimate_communication
-from sft_recipes.model_math import GPU_BY_NAME, ParamCounts
+from sft_recipes.planner.communication import CommunicationEstimate, Links, MeshLayout, estimate_communication
+from sft_recipes.planner.memory import GIB, estimate_memory
+from sft_recipes.planner.model_math import GPU_BY_NAME, ParamCounts
+from sft_recipes.planner.setup import TrainingSetup
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from sft_recipes.plan import TrainingSetup
-
 # A suggestion must beat the recipe's own layout by this much to be worth a change (the model's error is larger).
 MEANINGFUL_SPEEDUP = 1.05
 SUGGESTIONS = 3
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 @dataclass(frozen=True)
@@ -52,8 +51,9 @@ class LayoutOption:
     def step_seconds(self) -> float:
         return self.communication.step_seconds
 
-    def fits(self, gpu: str) -> bool:
-        return self.memory_gib <= GPU_BY_NAME[gpu].memory_gib
+    def fits(self, gpu: str, headroom_gib: float = 0.0) -> bool:
+        """Whether it fits ``gpu`` leaving at least ``headroom_gib`` free."""
+        return self.memory_gib + headroom_gib <= GPU_BY_NAME[gpu].memory_gib
 
     def to_dict(self, gpu: str) -> dict:
         s = self.setup
@@ -75,10 +75,6 @@ def _divisors(n: int) -> list[int]:
 
 def price(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, layout: MeshLayout, gpu: str,
           links: Links, reshard_after_forward: bool = True) -> LayoutOption:
-    from sft_recipes.plan import estimate_memory
-
-    from sft_recipes.plan import GIB
-
     setup = dataclasses.replace(setup, replicate_size=layout.replicate)
     memory = estimate_memory(config, counts, setup)
     return LayoutOption(setup, layout, memory.total, estimate_communication(
@@ -173,19 +169,21 @@ def candidate_layouts(config: PretrainedConfig, counts: ParamCounts, setup: Trai
 def suggest_layouts(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, current: MeshLayout, gpu: str,
                     links: Links, base_config: str | None = None, global_batch_in_recipe: bool = False,
                     reshard_after_forward: bool = True, sequence_parallel_sizes: Collection[int] | None = None,
-                    ) -> tuple[LayoutOption, list[LayoutOption]]:
-    """(the recipe's own layout priced, up to `SUGGESTIONS` faster layouts that fit ``gpu``; none when the
-    recipe fits and nothing is `MEANINGFUL_SPEEDUP` faster). Block length shrinks only when nothing fits."""
+                    headroom_gib: float = 0.0) -> tuple[LayoutOption, list[LayoutOption]]:
+    """(the recipe's own layout priced, up to `SUGGESTIONS` faster layouts that fit ``gpu`` with ``headroom_gib``
+    left free; none when the recipe fits so and nothing is `MEANINGFUL_SPEEDUP` faster). Block length shrinks
+    only when nothing fits."""
     own = price(config, counts, setup, current, gpu, links, reshard_after_forward)
     lengths = [setup.seq_len]
     options = [o for o in candidate_layouts(config, counts, setup, current, gpu, links, lengths, reshard_after_forward,
-                                            sequence_parallel_sizes) if o.fits(gpu)]
+                                            sequence_parallel_sizes) if o.fits(gpu, headroom_gib)]
     length = setup.seq_len
     while not options and length % 2 == 0 and length > 1024:
         length //= 2
         options = [o for o in candidate_layouts(config, counts, setup, current, gpu, links, [length],
-                                                reshard_after_forward, sequence_parallel_sizes) if o.fits(gpu)]
-    if own.fits(gpu):
+                                                reshard_after_forward, sequence_parallel_sizes)
+                   if o.fits(gpu, headroom_gib)]
+    if own.fits(gpu, headroom_gib):
         options = [o for o in options if o.step_seconds * MEANINGFUL_SPEEDUP < own.step_seconds]
 
     def changes(option: LayoutOption) -> int:
@@ -221,8 +219,6 @@ class ShardShortfall:
 def shard_group_shortfall(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, gpu: str) -> ShardShortfall | None:
     """None when the HSDP shard group of ``setup`` holds the run on ``gpu``; else how far off, and the
     smallest shard size (a divisor of the world, larger than today's) whose memory fits."""
-    from sft_recipes.plan import estimate_memory
-
     available = GPU_BY_NAME[gpu].memory_gib
     needed = estimate_memory(config, counts, setup).total
     if needed <= available:
@@ -236,7 +232,7 @@ def shard_group_shortfall(config: PretrainedConfig, counts: ParamCounts, setup: 
 
 
 # --------------------------------------------------------------------------------------------
-# The dry run's section
+# The dry run's section (printed by `report.format_layouts`)
 
 
 @dataclass(frozen=True)
@@ -249,106 +245,50 @@ class LayoutReport:
     side_by_side: list[LayoutOption]
     suggestions: list[LayoutOption]
     base_config: str | None = None  # the accelerate config of the launch planned
+    headroom_gib: float = 0.0  # GiB per GPU every suggestion leaves free (the recipe's plan_memory_headroom_gib)
 
-    def faster_that_fits(self) -> LayoutOption | None:
-        """The fastest of the side-by-side layouts that fits; the launch's own unless another is
-        `MEANINGFUL_SPEEDUP` faster (or the own does not fit). None for one layout, or when none fits."""
+    def fastest_that_fits(self) -> LayoutOption | None:
+        """The fastest of the side-by-side layouts that fits. None for one layout, or when none fits."""
         fitting = [o for o in self.side_by_side if o.fits(self.gpu)]
         if len(self.side_by_side) < 2 or not fitting:
             return None
-        fastest = min(fitting, key=lambda o: o.step_seconds)
-        if self.own.fits(self.gpu) and fastest.step_seconds * MEANINGFUL_SPEEDUP >= self.own.step_seconds:
+        return min(fitting, key=lambda o: o.step_seconds)
+
+    def layout_to_launch(self) -> LayoutOption | None:
+        """Of the side-by-side layouts, the one to launch: the launch's own unless another that fits is
+        `MEANINGFUL_SPEEDUP` faster (or the own does not fit). None for one layout, or when none fits."""
+        fastest = self.fastest_that_fits()
+        if fastest is not None and self.own.fits(self.gpu) and \
+                fastest.step_seconds * MEANINGFUL_SPEEDUP >= self.own.step_seconds:
             return self.own
         return fastest
 
     def to_dict(self) -> dict:
-        faster = self.faster_that_fits()
+        fastest, launch = self.fastest_that_fits(), self.layout_to_launch()
         return {
             "gpu": self.gpu,
             "links_gbps": {"intra_node": self.links.intra_node_gbps, "inter_node": self.links.inter_node_gbps},
             "communication": self.own.communication.to_dict(),
             "layouts": [{**o.to_dict(self.gpu), "communication": o.communication.to_dict()} for o in self.side_by_side],
-            "faster_layout_that_fits": faster.layout.name if faster else None,
+            "faster_layout_that_fits": fastest.layout.name if fastest else None,
+            "layout_to_launch": launch.layout.name if launch else None,
+            "memory_headroom_gib": self.headroom_gib,
             "suggestions": [o.to_dict(self.gpu) for o in self.suggestions],
         }
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:,.2f} GB" if n else "-"
-
-
-def format_layouts(report: LayoutReport, command: str) -> str:
-    from sft_recipes.communication import LINK_EFFICIENCY
-
-    links = report.links
-    lines = [f"  communication per optimizer step per GPU on {report.gpu} (--gpu): NVLink {links.intra_node_gbps:,.0f} Gb/s, "
-             f"network {links.inter_node_gbps:,.0f} Gb/s per GPU each way (--intra_node_gbps / --inter_node_gbps), "
-             f"{LINK_EFFICIENCY:.0%} of it achieved; compute at the MFU above, communication hidden behind the "
-             "neighbouring layer's compute up to that compute (docs/planner.md)",
-             f"    {'layout':<14}{'GiB/GPU':>8}{'fits':>5}{'all-gather':>12}{'reduce-scat.':>13}{'all-reduce':>11}"
-             f"{'all-to-all':>11}{'compute s':>10}{'NVLink s':>9}{'network s':>10}{'exposed s':>10}{'s/step':>8}  bound"]
-    for option in report.side_by_side:
-        c = option.communication
-        this = " (this)" if option.layout == report.own.layout else ""
-        lines.append(
-            f"    {option.layout.name + this:<14}{option.memory_gib:>8.1f}{'yes' if option.fits(report.gpu) else 'NO':>5}"
-            f"{_gb(c.all_gather_bytes):>12}{_gb(c.reduce_scatter_bytes):>13}{_gb(c.all_reduce_bytes):>11}"
-            f"{_gb(c.all_to_all_bytes):>11}{c.compute_seconds:>10.3f}{c.link_seconds['intra-node']:>9.3f}"
-            f"{c.link_seconds['inter-node']:>10.3f}{c.exposed_seconds:>10.3f}{c.step_seconds:>8.3f}  {c.bound}")
-    if report.own.communication.nodes == 1:
-        lines.append("    one node: every collective stays on NVLink, no inter-node term")
-    faster = report.faster_that_fits()
-    if faster is not None:
-        others = ", ".join(f"{o.layout.name} {o.step_seconds:.3f} s" for o in report.side_by_side)
-        lines.append(f"  faster layout that fits: {faster.layout.name} ({others} per step)"
-                     + (", the launch's own (no other is 5% faster)" if faster.layout == report.own.layout else
-                        f": launch with {hsdp_config_name(faster.layout, report.base_config)}"))
-    elif len(report.side_by_side) > 1:
-        lines.append("  faster layout that fits: none of these fits on " + report.gpu)
-    if not report.suggestions:
-        verdict = ("fits, and no layout this project runs is 5% faster at the same global batch" if report.own.fits(report.gpu)
-                   else "nothing this project can run fits, even with shorter blocks")
-        lines.append(f"  what to change: nothing ({verdict})")
-        return "\n".join(lines)
-    why = "fits, but faster" if report.own.fits(report.gpu) else f"does not fit on {report.gpu}; these do"
-    lines.append(f"  what to change (this run {why}; same global batch; best first):")
-    for option in report.suggestions:
-        s = option.setup
-        sequences = s.micro_batch_size * s.gradient_accumulation_steps * s.data_parallel_size
-        lines.append(f"    {option.memory_gib:6.1f} GiB  {option.step_seconds:7.3f} s/step  {option.layout.name}, "
-                     f"{s.micro_batch_size} x {s.seq_len} x {s.gradient_accumulation_steps} accumulation, SP "
-                     f"{s.sequence_parallel_size}, checkpointing {'on' if s.activation_checkpointing else 'off'}, "
-                     f"offloading {'on' if s.activation_offloading else 'off'} = {sequences} sequences per step")
-        lines += [f"      {line}" for line in suggested_launch(command, option.overrides, option.accelerate_config)]
-    return "\n".join(lines)
-
-
-EDITED_CONFIG = "my_accelerate_config.yaml"  # the name a suggested launch gives a config the user must write
-
-
-def suggested_launch(command: str, overrides: tuple[str, ...], accelerate_config: str | None) -> list[str]:
-    """The launch of a suggestion, runnable as printed: `command` with its flags, on the config the layout needs
-    (a shipped one, or EDITED_CONFIG with the line that says what to write into it)."""
-    if not accelerate_config:
-        return [f"{command} {' '.join(overrides)}".rstrip()]
-    shipped = " " not in accelerate_config
-    launch = re.sub(r"--config_file \S+", f"--config_file {accelerate_config if shipped else EDITED_CONFIG}", command)
-    lines = [f"{launch} {' '.join(overrides)}".rstrip()]
-    return lines if shipped else [*lines, f"{EDITED_CONFIG}: {accelerate_config}"]
 
 
 def layout_report(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, nodes: int, gpu: str,
                   links: Links, base_config: str | None = None, global_batch_in_recipe: bool = False,
                   reshard_after_forward: bool = True, sequence_parallel_sizes: Collection[int] | None = None,
-                  ) -> LayoutReport:
+                  headroom_gib: float = 0.0) -> LayoutReport:
     """The launch's own layout priced, FSDP and HSDP side by side (several nodes), and what to change."""
     if setup.world_size % nodes:
         raise ValueError(f"{setup.world_size} processes cannot be spread evenly over {nodes} nodes.")
     current = MeshLayout(nodes, setup.world_size // nodes, setup.replicate_size)
     own, suggestions = suggest_layouts(config, counts, setup, current, gpu, links, base_config, global_batch_in_recipe,
-                                       reshard_after_forward, sequence_parallel_sizes)
+                                       reshard_after_forward, sequence_parallel_sizes, headroom_gib)
     side_by_side = compare_layouts(config, counts, setup, nodes, gpu, links, reshard_after_forward)
     side_by_side = [own if o.layout == current else o for o in side_by_side]
     if current not in [o.layout for o in side_by_side]:
         side_by_side.insert(0, own)
-    return LayoutReport(gpu, links, own, side_by_side, suggestions, base_config)
+    return LayoutReport(gpu, links, own, side_by_side, suggestions, base_config, headroom_gib)

@@ -1,7 +1,7 @@
 """What image data adds to a run's plan (`--dry-run` of a `vision_messages` recipe): the vision tower's parameters
 and what trains of them, the image tokens per image, and the memory the tower adds per GPU.
 
-The text plan (`plan.py`) counts the blocks' tokens -- image tokens included, they are tokens of the block --
+The text plan (`memory`, `report`) counts the blocks' tokens -- image tokens included, they are tokens of the block --
 with the tower frozen. On top of it, per GPU:
 
 - trained tower parameters (the merger by default; all with `freeze_vision_tower: false`): bf16-sharded
@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModel, PretrainedConfig
 
-GIB = 1024 ** 3
+from sft_recipes.planner.memory import GIB
+
 ACTIVATION_BYTES_PER_HIDDEN = 34  # per token and hidden unit per transformer block, bf16, attention excluded
 # The checkpoint's own bounds when the recipe leaves min/max_pixels unset (Qwen2-VL image processor defaults).
 DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS = 3136, 1003520

@@ -1,9 +1,10 @@
 """Model arithmetic from a config alone: the meta-device model, exact parameter counts, FLOPs per
 token, and the accelerators' peaks.
 
-Used by the planner (`plan.py`), the live metrics (`metrics.py`) and the linter: `flops_per_token`
-is the one function every FLOP and MFU figure of the project uses. Everything runs on the CPU in
-seconds without weights (the model is built on the meta device; LoRA applied by peft, on meta too).
+Used by the rest of the planner (this package), the live metrics (`metrics.py`) and the linter:
+`flops_per_token` is the one function every FLOP and MFU figure of the project uses. Everything runs
+on the CPU in seconds without weights (the model is built on the meta device; LoRA applied by peft,
+on meta too).
 """
 
 from __future__ import annotations
