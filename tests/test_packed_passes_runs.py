@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from conftest import (
-    CPU_CONFIG, HSDP_CPU_CONFIG, TINY_LLAMA_RECIPE, assert_resume_reproduces, launch_sft, read_summary,
+    CPU_CONFIG, HSDP_CPU_CONFIG, REPO_ROOT, TINY_LLAMA_RECIPE, assert_resume_reproduces, launch_sft, read_summary,
 )
 
 pytestmark = pytest.mark.fsdp
@@ -26,7 +26,7 @@ def packed(data, output_dir, *overrides):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     path = tmp_path_factory.mktemp("rows") / "alpaca.jsonl"
-    with open("data/samples/alpaca.jsonl") as rows:
+    with open(REPO_ROOT / "data" / "samples" / "alpaca.jsonl") as rows:
         path.write_text("".join(next(rows) for _ in range(ROWS)))
     return path
 
