@@ -186,12 +186,39 @@ class Control:
     should_save = False
 
 
+class State:
+    global_step = 3
+    max_steps = 6
+    is_world_process_zero = True
+
+
 def test_stop_flag_without_process_group():
     callback = StopWhenAnyRankExhausted(StreamStats(conversations=3, blocks=1, supervised_tokens=12))
-    assert callback.on_step_end(StepArgs(), None, Control()).should_training_stop is False
+    assert callback.on_step_end(StepArgs(), State(), Control()).should_training_stop is False
     callback.exhausted = True
-    control = callback.on_step_end(StepArgs(), None, Control())
+    control = callback.on_step_end(StepArgs(), State(), Control())
     assert control.should_training_stop and control.should_save
+    # kept in the checkpoint's trainer_state.json, so a later run knows the stream ended there
+    assert callback.state() == {"args": {}, "attributes": {"data_ended_at_step": 3}}
+
+
+def test_a_stream_that_ends_before_max_steps_says_so_in_one_line(capsys):
+    callback = StopWhenAnyRankExhausted(StreamStats(conversations=3, blocks=1, supervised_tokens=12))
+    callback.exhausted = True
+    callback.on_step_end(StepArgs(), State(), Control())
+    callback.on_train_end(StepArgs(), State(), Control())
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["[data] the packed stream ended at step 3 of max_steps 6: one pass over the streamed data, the run "
+                     "ends here. A stream is read once; to train several passes pass --max_steps -1 --num_train_epochs "
+                     "N (the stream is then counted before training, every pass in a new order)."]
+
+
+def test_counted_passes_end_on_their_own_step_not_where_a_reader_runs_out():
+    callback = StopWhenAnyRankExhausted(StreamStats(conversations=3, blocks=1, supervised_tokens=12),
+                                        passes_counted=True)
+    callback.exhausted = True  # a reader ran out in the pass's last step: the next pass reads its shard again
+    control = callback.on_step_end(StepArgs(), State(), Control())
+    assert not control.should_training_stop and not control.should_save and callback.data_ended_at_step is None
 
 
 def test_a_stream_that_ends_with_nothing_learned_is_an_error():
@@ -199,5 +226,5 @@ def test_a_stream_that_ends_with_nothing_learned_is_an_error():
     callback.exhausted = True
     control = Control()
     with pytest.raises(ValueError, match=r"nothing to learn \(this rank: 4 conversations read \(dropped: 4 no_assistant"):
-        callback.on_step_end(StepArgs(), None, control)
+        callback.on_step_end(StepArgs(), State(), control)
     assert not control.should_save  # no checkpoint of a step that learned nothing

@@ -46,6 +46,11 @@ CASES = {
     "block_packing_needs_chat_data": (
         {"pack_blocks": True, "dataset_format": "alpaca", "dataset_name": "data/samples/alpaca.jsonl"}, {}, {},
         "(got 'alpaca'): set pack_blocks: false, or dataset_format: alpaca_chat (the rows as chat conversations)"),
+    "unpacked_stream_without_max_steps": (
+        {"dataset_streaming": True, "max_steps": -1, "num_train_epochs": 2, "dataset_format": "alpaca",
+         "dataset_name": "data/samples/alpaca.jsonl"}, {}, {},
+        "a stream read unpacked .* has no length to count them from .*: set max_steps to the steps to train, or "
+        "pack_blocks: true"),
     "streamed_rows_counted_in_a_worker": (
         {"dataset_streaming": True, "dataloader_num_workers": 2, "dataset_format": "alpaca",
          "dataset_name": "data/samples/alpaca.jsonl"}, {}, {}, "set dataloader_num_workers: 0, or"),

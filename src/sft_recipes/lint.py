@@ -69,6 +69,16 @@ def block_packing_needs_chat_data(recipe: Recipe, ctx: LintContext) -> str | Non
     return None
 
 
+def unpacked_stream_without_max_steps(recipe: Recipe, ctx: LintContext) -> str | None:
+    data, training = recipe.data, recipe.training
+    if is_streamed(data) and not data.pack_blocks and training.max_steps < 0:
+        return ("max_steps: -1 trains num_train_epochs passes, and a stream read unpacked (TRL's pipeline) has no "
+                "length to count them from (the Trainer would stop after loading the model): set max_steps to the "
+                "steps to train, or pack_blocks: true with chat data (a packed stream's passes are counted before "
+                "training)")
+    return None
+
+
 def streamed_rows_counted_in_a_worker(recipe: Recipe, ctx: LintContext) -> str | None:
     data, training = recipe.data, recipe.training
     if is_streamed(data) and not data.pack_blocks and training.dataloader_num_workers:
@@ -269,6 +279,7 @@ RULES = (
     activation_checkpointing_twice,
     trl_packing_with_block_packing,
     block_packing_needs_chat_data,
+    unpacked_stream_without_max_steps,
     streamed_rows_counted_in_a_worker,
     packing_architecture_needs_our_fixes,
     hybrid_model_without_reference_kernels,

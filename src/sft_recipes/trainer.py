@@ -28,6 +28,16 @@ from sft_recipes.metrics import ThroughputMeter, real_tokens_and_attention_lengt
 logger = logging.getLogger(__name__)
 
 
+class BlockLoader(DataLoader):
+    """A block stream's loader: as long as a counted pass (`stream.micro_batches_per_pass`), else of no length (the
+    Trainer then runs to max_steps, or until the stream ends)."""
+
+    def __len__(self) -> int:
+        if self.dataset.micro_batches_per_pass is None:
+            raise TypeError("a packed stream read once has no length")
+        return self.dataset.micro_batches_per_pass
+
+
 class RecipeSFTTrainer(TokenWeightedEvalMixin, EndOfDataTogetherMixin, SFTTrainer):
     """SFTTrainer that can also train on a `RankLocalBlockStream`, ends every pass over per-rank
     streamed shards on the same step on every rank (`EndOfDataTogetherMixin`), and reports eval loss
@@ -77,7 +87,8 @@ class RecipeSFTTrainer(TokenWeightedEvalMixin, EndOfDataTogetherMixin, SFTTraine
         # made a step's loss the mean of per-rank, per-micro-batch means. Every step is the global token mean.
         self.model_accepts_loss_kwargs = True
         if self.block_stream is not None:
-            self.exhaustion = StopWhenAnyRankExhausted(self.stream_stats, count_stream, self.block_stream.num_sources)
+            self.exhaustion = StopWhenAnyRankExhausted(self.stream_stats, count_stream, self.block_stream.num_sources,
+                                                       passes_counted=self.block_stream.micro_batches_per_pass is not None)
             self.add_callback(self.exhaustion)
 
     @property
@@ -93,15 +104,31 @@ class RecipeSFTTrainer(TokenWeightedEvalMixin, EndOfDataTogetherMixin, SFTTraine
         if self.block_stream is None:
             return super().get_train_dataloader()
         workers = self.args.dataloader_num_workers
-        return DataLoader(
+        return BlockLoader(
             self.block_stream,
             batch_size=self._train_batch_size,
             collate_fn=self.data_collator,
             num_workers=workers,  # each worker reads and tokenizes its own shard of this rank's
             prefetch_factor=self.args.dataloader_prefetch_factor if workers else None,
-            persistent_workers=self.args.dataloader_persistent_workers if workers else False,
+            persistent_workers=False,  # workers take the stream's pass when they start: new ones each pass
             pin_memory=self.args.dataloader_pin_memory,
         )
+
+    def _run_epoch(self, *args, epoch, **kwargs):
+        if self.block_stream is not None:  # before the pass's iterator starts (and its workers copy the stream)
+            self.block_stream.epoch = epoch
+        return super()._run_epoch(*args, epoch=epoch, **kwargs)
+
+    def set_initial_training_values(self, args, dataloader):
+        if self.sequence_parallel is None or self.block_stream is None:
+            return super().set_initial_training_values(args, dataloader)
+        # transformers multiplies a loader's length by the SP size (its own SP adapter splits each batch over the
+        # group); here every rank of a group reads the group's whole blocks, and the loader counts them already.
+        layout, self.sequence_parallel = self.sequence_parallel, None
+        try:
+            return super().set_initial_training_values(args, dataloader)
+        finally:
+            self.sequence_parallel = layout
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log (not the end-of-training summary)

@@ -9,7 +9,9 @@ the data and tokenized only there (no rank tokenizes the whole dataset); a reade
 Readers run out of data at different times. One that has run out keeps yielding fully masked
 blocks flagged `stream_exhausted`, so its rank never leaves a collective early;
 `StopWhenAnyRankExhausted` all-reduces the flag at every optimizer step and stops every rank on
-the same step (as the reference recipe does with its `ran_out` all-reduce).
+the same step (as the reference recipe does with its `ran_out` all-reduce). Finite data whose passes
+were counted before training (`data/passes.py`) instead ends each pass on its counted step, and the
+stream reads its shard again, in the next pass's order (`pass_order`).
 
 Conversations dropped on the way (bad streamed rows, flagged while reading; conversations the
 masking cannot train on) are counted by the reader that meets them and travel with its blocks
@@ -22,6 +24,7 @@ counted per source, for the per-source report and limits.
 from __future__ import annotations
 
 import bisect
+import random
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -33,6 +36,7 @@ from datasets.distributed import split_dataset_by_node
 from torch.utils.data import IterableDataset as TorchIterableDataset
 from torch.utils.data import get_worker_info
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from sft_recipes.data.masking import DROP_REASONS as MASKING_DROP_REASONS
 from sft_recipes.data.masking import KEPT, tokenize_conversations
@@ -47,6 +51,49 @@ PACKING_WINDOW = 1024  # examples a whole-example block may choose from (DataArg
 DROP_REASONS = tuple(dict.fromkeys((*ROW_DROP_REASONS, *MASKING_DROP_REASONS)))
 OTHER_REASONS = "other_reasons"
 SOURCE_FIELD = "source_index"  # which source of the recipe's `datasets` a conversation came from (0 without)
+
+
+SHUFFLE_BUFFER = 10_000  # rows a pass after the first is shuffled over: a reader's whole shard when it is smaller
+
+
+def pass_order(rows: Iterable[Any], seed: int, epoch: int, reader: int, buffer: int = SHUFFLE_BUFFER) -> Iterator[Any]:
+    """One reader's rows in the order of pass `epoch`: the data's order in pass 0, then an order drawn from the seed,
+    the pass and the reader (a shuffle over `buffer` waiting rows, the whole shard when it holds fewer).
+
+    The draws depend on the rows' positions only, never on their content, so the same call orders a reader's rows
+    and the list of their lengths alike (`data.passes` counts a pass's blocks from those lengths).
+    """
+    if epoch == 0:
+        yield from rows
+        return
+    rng = random.Random(f"{seed}:{epoch}:{reader}")  # a str seed is hashed with SHA-512: the same in every process
+    waiting: list[Any] = []
+    for row in rows:
+        if len(waiting) < buffer:
+            waiting.append(row)
+            continue
+        slot = rng.randrange(buffer)
+        yield waiting[slot]
+        waiting[slot] = row
+    rng.shuffle(waiting)
+    yield from waiting
+
+
+def unbatched(batches: Iterable[dict[str, list[Any]]]) -> Iterator[dict[str, Any]]:
+    for batch in batches:
+        columns = list(batch)
+        yield from (dict(zip(columns, values)) for values in zip(*batch.values()))
+
+
+def batched(rows: Iterable[dict[str, Any]], size: int) -> Iterator[dict[str, list[Any]]]:
+    batch: list[dict[str, Any]] = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) == size:
+            yield {column: [r[column] for r in batch] for column in batch[0]}
+            batch = []
+    if batch:
+        yield {column: [r[column] for r in batch] for column in batch[0]}
 
 
 def fill_blocks(examples: Iterable[dict[str, list[int]]], max_length: int, split_examples: bool = True,
@@ -81,15 +128,16 @@ def fill_blocks(examples: Iterable[dict[str, list[int]]], max_length: int, split
         yield {"input_ids": ids, "labels": labels, "seq_lengths": lengths}
 
 
-def _pack_whole_examples(examples: Iterable[dict[str, Any]], max_length: int, window: int
-                         ) -> Iterator[dict[str, Any]]:
+def _pack_whole_examples(examples: Iterable[dict[str, Any]], max_length: int, window: int,
+                         join: Callable[[list[dict[str, Any]]], Any] | None = None) -> Iterator[dict[str, Any]]:
     """Each block starts with the oldest waiting example, then takes the longest waiting ones that still fit.
 
     Up to `window` examples wait; `window=1` is plain arrival order. On UltraChat-like data at 8192
     tokens this fills ~99% of the slots against ~88% in arrival order, about as full as TRL's
     best-fit-decreasing over the whole dataset (benchmarks/README.md), yet it streams, and an example
     is never trained more than about `window` examples away from its place in the data. An example's
-    other fields (an image example's pixels and positions) travel with it (`join_examples`).
+    other fields (an image example's pixels and positions) travel with it (`join_examples`; `join` replaces it:
+    counting blocks needs only how many there are).
     """
     if window < 1:
         raise ValueError(f"packing_window must be at least 1 (1 packs in arrival order), got {window}.")
@@ -131,7 +179,7 @@ def _pack_whole_examples(examples: Iterable[dict[str, Any]], max_length: int, wi
             members.append(waiting.pop(-negative_arrival))
             refill()
             room -= length
-        yield join_examples(members)
+        yield (join or join_examples)(members)
 
 
 def join_examples(members: list[dict[str, Any]]) -> dict[str, Any]:
@@ -251,12 +299,15 @@ class RankLocalBlockStream(TorchIterableDataset):
     conversation. Only that reader tokenizes its conversations. After the shard ends it yields
     `exhausted_block()` forever (see the module docstring). Every block carries the `StreamStats`
     of what its reader consumed since its previous block (`stream_stats`), so the counts reach the
-    training process from worker processes too.
+    training process from worker processes too. `epoch` is the pass the next iteration reads (in
+    `pass_order`); `micro_batches_per_pass` is this rank's count per pass when the passes were counted
+    before training (`data.passes`), None when the stream is read once and ends where it ends.
     """
 
     def __init__(self, dataset: Dataset | IterableDataset, tokenizer, max_length: int, rank: int, world_size: int,
                  split_examples: bool = True, template_kwargs: dict[str, Any] | None = None,
-                 messages_field: str = "messages", packing_window: int = PACKING_WINDOW, num_sources: int = 1):
+                 messages_field: str = "messages", packing_window: int = PACKING_WINDOW, num_sources: int = 1,
+                 seed: int = 0):
         if isinstance(dataset, Dataset):
             dataset = dataset.to_iterable_dataset(num_shards=max(1, min(len(dataset), 64)))
         self.dataset = dataset
@@ -270,17 +321,34 @@ class RankLocalBlockStream(TorchIterableDataset):
         self.messages_field = messages_field
         self.num_sources = num_sources  # conversations carry SOURCE_FIELD when the recipe has several sources
         self.pad_token_id = tokenizer.pad_token_id
+        self.seed = seed
+        self.epoch = 0  # set by the trainer before each pass; workers take it when they start (each pass)
+        self.micro_batches_per_pass: int | None = None
 
-    def reader_shard(self) -> IterableDataset:
-        """The conversations of this (rank, dataloader worker) reader."""
-        worker = get_worker_info()
-        index, count = (worker.id, worker.num_workers) if worker is not None else (0, 1)
-        return split_dataset_by_node(self.dataset, rank=reader_index(self.rank, self.world_size, index),
-                                     world_size=self.world_size * count)
+    def reader(self, worker: tuple[int, int] | None = None) -> tuple[int, int]:
+        """(this rank's reader of dataloader worker `worker`, the number of readers); `worker` is (index, count),
+        by default the worker this runs in."""
+        if worker is None:
+            info = get_worker_info()
+            worker = (info.id, info.num_workers) if info is not None else (0, 1)
+        return reader_index(self.rank, self.world_size, worker[0]), self.world_size * worker[1]
 
-    def _tokenized(self, pending: StreamStats) -> Iterator[dict[str, list[int]]]:
+    def reader_shard(self, worker: tuple[int, int] | None = None) -> IterableDataset:
+        """The conversations of that reader."""
+        reader, readers = self.reader(worker)
+        return split_dataset_by_node(self.dataset, rank=reader, world_size=readers)
+
+    def reader_rows(self, epoch: int, worker: tuple[int, int] | None = None) -> Iterator[dict[str, list[Any]]]:
+        """That reader's rows, in batches, in the order of pass `epoch`."""
         # `.iter()` (unlike `__iter__`) does not split the shard again among dataloader workers.
-        for batch in self.reader_shard().iter(batch_size=TOKENIZE_BATCH):
+        batches = self.reader_shard(worker).iter(batch_size=TOKENIZE_BATCH)
+        if epoch == 0:
+            return batches
+        return batched(pass_order(unbatched(batches), self.seed, epoch, self.reader(worker)[0]), TOKENIZE_BATCH)
+
+    def _tokenized(self, pending: StreamStats, batches: Iterable[dict[str, list[Any]]]
+                   ) -> Iterator[dict[str, list[int]]]:
+        for batch in batches:
             rows = len(batch[self.messages_field])
             problems = batch.get(ROW_PROBLEM) or [None] * rows  # flagged while reading
             sources = batch.get(SOURCE_FIELD) or [0] * rows
@@ -306,7 +374,8 @@ class RankLocalBlockStream(TorchIterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         consumed = StreamStats()  # conversations read by the tokenizing generator, not yet reported
-        for block in fill_blocks(self._tokenized(consumed), self.max_length, self.split_examples,
+        rows = self.reader_rows(self.epoch)
+        for block in fill_blocks(self._tokenized(consumed, rows), self.max_length, self.split_examples,
                                  self.packing_window):
             stats = consumed.take_read()
             stats.blocks, stats.real_tokens, stats.token_slots = 1, len(block["input_ids"]), self.max_length
@@ -386,27 +455,45 @@ def summed_over_ranks(stats: StreamStats, exhausted: bool, device, num_sources: 
     return total, exhausted_ranks > 0
 
 
-class StopWhenAnyRankExhausted(TrainerCallback):
+class StopWhenAnyRankExhausted(TrainerCallback, ExportableState):
     """All ranks stop on the first optimizer step after which any rank has run out of data.
 
     A stream that ends before any rank trained on a supervised token is an error on every rank (a
     dataset with nothing to learn), raised before the stopping step is saved or exported. After
     every step `total` holds every rank's counts summed, and `on_total(total, stream_ended)` sees
     them on every rank (the drop limit: a refusal it raises is raised on every rank together).
+
+    With `passes_counted` (finite data counted before training, `data.passes`) a reader runs out only in
+    the last step of a pass, which the Trainer's own epoch loop ends: nothing stops here. Otherwise the
+    step where the stream ended is kept in the checkpoints' trainer_state.json (`data_ended_at_step`),
+    so a later run resuming from them knows why there is nothing left to read.
     """
 
     def __init__(self, trained: StreamStats,
-                 on_total: Callable[[StreamStats, bool], None] | None = None, num_sources: int = 1) -> None:
+                 on_total: Callable[[StreamStats, bool], None] | None = None, num_sources: int = 1,
+                 passes_counted: bool = False) -> None:
         self.exhausted = False
         self.trained = trained  # what this rank has trained on so far: the trainer adds each batch's counts
         self.on_total = on_total
         self.num_sources = num_sources  # the recipe's sources: the same on every rank
+        self.passes_counted = passes_counted
         self.total = StreamStats()
+        self.data_ended_at_step: int | None = None
+
+    def state(self) -> dict[str, Any]:
+        return {"args": {}, "attributes": {"data_ended_at_step": self.data_ended_at_step}}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # A checkpoint written before this callback kept a state has no entry, and the Trainer's save indexes it.
+        state.stateful_callbacks.setdefault(type(self).__name__, self.state())
 
     def on_step_end(self, args, state, control, **kwargs):
         self.total, stream_ended = summed_over_ranks(self.trained, self.exhausted, args.device, self.num_sources)
         if self.on_total is not None:
             self.on_total(self.total, stream_ended)
+        if self.passes_counted:
+            self.exhausted = False  # the next pass reads its shard again
+            return control
         if stream_ended:
             if self.total.supervised_tokens == 0:
                 raise RecipeError(
@@ -415,6 +502,19 @@ class StopWhenAnyRankExhausted(TrainerCallback):
                     "break the dataset_format rules are dropped as they are read: check dataset_name and "
                     "dataset_format, and look at the rows with `.venv/bin/python scripts/sft.py RECIPE --audit-data 5`."
                 )
+            self.data_ended_at_step = state.global_step
             control.should_training_stop = True
             control.should_save = True
         return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.data_ended_at_step is not None and self.data_ended_at_step < state.max_steps and \
+                state.is_world_process_zero:
+            print(data_ended_line(self.data_ended_at_step, state.max_steps), flush=True)
+
+
+def data_ended_line(step: int, max_steps: int) -> str:
+    """The one line a run whose stream ended before max_steps prints (and run_summary.json keeps)."""
+    return (f"[data] the packed stream ended at step {step} of max_steps {max_steps}: one pass over the streamed data, "
+            "the run ends here. A stream is read once; to train several passes pass --max_steps -1 "
+            "--num_train_epochs N (the stream is then counted before training, every pass in a new order).")

@@ -33,7 +33,7 @@ aspect ratio over `MAX_ASPECT_RATIO`, which the image processor refuses).
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from sft_recipes.data.blocks import IGNORE_INDEX, SOURCE_FIELD, TOKENIZE_BATCH, RankLocalBlockStream, StreamStats
+from sft_recipes.data.blocks import IGNORE_INDEX, SOURCE_FIELD, RankLocalBlockStream, StreamStats
 from sft_recipes.data.collator import BlockDiagonalCollator
 from sft_recipes.data.masking import KEPT, tokenize_conversations
 from sft_recipes.data.rows import (
@@ -341,8 +341,8 @@ class VisionBlockStream(RankLocalBlockStream):
         super().__init__(dataset, processing.tokenizer, max_length, rank, world_size, split_examples=False, **kwargs)
         self.processing = processing
 
-    def _tokenized(self, pending: StreamStats) -> Iterator[dict[str, Any]]:
-        for batch in self.reader_shard().iter(batch_size=TOKENIZE_BATCH):
+    def _tokenized(self, pending: StreamStats, batches: Iterable[dict[str, list[Any]]]) -> Iterator[dict[str, Any]]:
+        for batch in batches:
             rows = len(batch[self.messages_field])
             problems = batch.get(ROW_PROBLEM) or [None] * rows
             sources = batch.get(SOURCE_FIELD) or [0] * rows

@@ -137,6 +137,12 @@ def nothing_left_to_train(checkpoint: str | None, training_args) -> str | None:
     except (OSError, ValueError):
         return None  # the Trainer reports a checkpoint it cannot read
     done = int(state.get("global_step", 0))
+    ended = ((state.get("stateful_callbacks") or {}).get("StopWhenAnyRankExhausted") or {}).get("attributes", {})
+    if ended.get("data_ended_at_step") is not None and training_args.max_steps > 0:
+        return (f"{checkpoint} ended where its packed stream ended, at step {done}: the stream was read once, so "
+                f"there is nothing left to read for max_steps {training_args.max_steps}; nothing written. To train "
+                "several passes over a stream pass --max_steps -1 --num_train_epochs N with --overwrite_output_dir "
+                "true (the stream is counted before training, every pass in a new order).")
     if training_args.max_steps > 0:
         if done < training_args.max_steps:
             return None

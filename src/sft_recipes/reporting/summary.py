@@ -28,9 +28,13 @@ class RunSummaryCallback(TrainerCallback):
         self.world_size_at_checkpoint: int | None = None  # set before training when resuming
         self.eval_losses: dict[int, float] = {}
         self.tokens_seen: int | None = None  # input tokens of every step so far (the Trainer's count, resumes included)
+        self.max_steps: int | None = None  # the steps the Trainer planned (max_steps, or the passes' count)
+        self.packed_passes: dict[str, Any] | None = None  # packed data counted before training: steps per pass, passes
+        self.data_ended: str | None = None  # a stream read once that ended before max_steps: the line that said so
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.world_size = args.world_size
+        self.max_steps = state.max_steps
         # A resumed run starts from the checkpoint's trainer state, whose log_history holds the steps before the
         # resume: the summary keeps them, so its losses cover the whole training and not only this launch.
         for entry in state.log_history:
@@ -78,6 +82,9 @@ class RunSummaryCallback(TrainerCallback):
             "distributed": distributed,
             "steps": self.last_step,
             "steps_this_run": steps_run,
+            "max_steps": self.max_steps,
+            "packed_passes": self.packed_passes,
+            "data_ended_before_max_steps": self.data_ended,
             "resumed_from": resumed_from,
             "world_size": self.world_size,
             "world_size_at_checkpoint": self.world_size_at_checkpoint,  # null: fresh, or an older marker
@@ -110,7 +117,9 @@ class RunSummaryCallback(TrainerCallback):
         then, now = report["world_size_at_checkpoint"], report["world_size"]
         moved = f", resumed on {now} process(es) from {then}" if then not in (None, now) else ""
         eval_loss = f", eval loss={report['eval_loss']:.4f}" if report.get("eval_loss") is not None else ""
+        ended = (f" of max_steps {report['max_steps']} (the packed stream ended)"
+                 if report.get("data_ended_before_max_steps") else "")
         return (
-            f"[train] {report['steps']} steps in {report['train_seconds']:.1f}s ({per_step}{throughput}{mfu}), "
+            f"[train] {report['steps']} steps{ended} in {report['train_seconds']:.1f}s ({per_step}{throughput}{mfu}), "
             f"final loss={loss}{eval_loss}{moved} | checkpoint: {report['checkpoint']}"
         )

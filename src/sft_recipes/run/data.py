@@ -14,6 +14,7 @@ from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
 from sft_recipes.data.collator import BlockDiagonalCollator
 from sft_recipes.data.formats import CHAT_FORMATS
 from sft_recipes.data.mixture import SourceData, build_source_data, describe_eval
+from sft_recipes.data.passes import PackedPasses, plan_passes
 from sft_recipes.data.report import DataReport, MixtureReport
 from sft_recipes.data.sources import load_checked_dataset
 from sft_recipes.data.stream_reads import StreamedRowDropsCallback
@@ -38,6 +39,9 @@ class RunData:
     # A stream read unpacked (TRL's pipeline): its rows and drops summed over ranks after every step, limit enforced
     stream_reads: StreamedRowDropsCallback | None = None
     eval: Dataset | VisionEvalBlocks | None = None  # held-out or eval_datasets rows: tokenized, or packed into blocks
+    # Packed data whose passes were counted before training (every pass's steps known); None: not packed, or a
+    # stream read once (max_steps)
+    passes: PackedPasses | None = None
 
     @property
     def counted_while_training(self) -> bool:
@@ -66,7 +70,7 @@ def build_data(run: Run, tokenizer) -> RunData:
         block_stream = VisionBlockStream(
             sources.train, processing, training.max_length, *run.data_reader,
             template_kwargs=run.tokenization.template_kwargs, packing_window=data_args.packing_window,
-            num_sources=len(report.sources),
+            num_sources=len(report.sources), seed=training.seed,
         )
         collator = collate_blocks(VisionBlockCollator(training.max_length, tokenizer.pad_token_id))
         count_stream = partial(report.count_stream, max_dropped_share=data_args.max_dropped_share)
@@ -76,7 +80,7 @@ def build_data(run: Run, tokenizer) -> RunData:
         block_stream = RankLocalBlockStream(
             sources.train, tokenizer, training.max_length, *run.data_reader,
             split_examples=data_args.split_examples, template_kwargs=run.tokenization.template_kwargs,
-            packing_window=data_args.packing_window, num_sources=len(report.sources),
+            packing_window=data_args.packing_window, num_sources=len(report.sources), seed=training.seed,
         )
         collator = collate_blocks(BlockDiagonalCollator(training.max_length, tokenizer.pad_token_id,
                                                         block_per_row=True))
@@ -89,12 +93,19 @@ def build_data(run: Run, tokenizer) -> RunData:
         print(report.format(), flush=True)
         print(eval_data.describe() if isinstance(eval_data, VisionEvalBlocks) else describe_eval(eval_data), flush=True)
     report.enforce(data_args.max_dropped_share)
+    passes = None
+    if block_stream is not None and (not report.streamed or training.max_steps < 0):  # finite, or asked for passes
+        passes = plan_passes(block_stream, training.per_device_train_batch_size, training.gradient_accumulation_steps,
+                             training.dataloader_num_workers, training.max_steps, training.num_train_epochs,
+                             training.ddp_timeout)
+        if run.is_main:
+            print(passes.describe(), flush=True)
     # Image prompts rendered now, as the run renders its rows (their images read at start: a bad path stops here)
     sample_prompts = prepared_prompts(sample_prompts_for_run(training, sources.raw_train, sources.raw_eval),
                                       processing, run.tokenization.template_kwargs)
     return RunData(train=None if run.packs_blocks else sources.train, block_stream=block_stream, collator=collator,
                    report=report, sample_prompts=sample_prompts, count_stream=count_stream,
-                   stream_reads=stream_reads, eval=eval_data)
+                   stream_reads=stream_reads, eval=eval_data, passes=passes)
 
 
 def vision_processing(run: Run, tokenizer) -> VisionProcessing:

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from sft_recipes.data.blocks import data_ended_line
 from sft_recipes.distributed import reduce_scatter_every_micro_batch, set_fsdp_reduce_dtype, verify_distributed
 from sft_recipes.evaluation import evaluated_at_last_step
 from sft_recipes.fault import fault_tolerance_callbacks
@@ -46,6 +47,10 @@ class Training:
         start = time.perf_counter()
         self.trainer.train(resume_from_checkpoint=self.resumed_from)
         self.seconds = time.perf_counter() - start
+        exhaustion, state = self.trainer.exhaustion, self.trainer.state
+        if exhaustion is not None and exhaustion.data_ended_at_step is not None and \
+                exhaustion.data_ended_at_step < state.max_steps:
+            self.summary.data_ended = data_ended_line(exhaustion.data_ended_at_step, state.max_steps)
         if self.trainer.eval_dataset is not None and not evaluated_at_last_step(self.trainer.state):
             self.trainer.evaluate()
 
@@ -54,6 +59,8 @@ def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Traini
     recipe, training_args = run.recipe, run.recipe.training
     summary = RunSummaryCallback(configure_mlflow(training_args, recipe.model.mlflow_experiment_name),
                                  overrides=recipe.overrides)
+    if data.passes is not None:
+        summary.packed_passes = {"steps_per_pass": data.passes.steps_per_pass, "passes": data.passes.passes}
     throughput = ThroughputMeter.for_run(run.source.config, built.lora_config, training_args.device,
                                          training_args.sequence_parallel_size)
     reporting = [TrainingCurvesCallback()]  # training_curves.png at each save and at the end
