@@ -4,7 +4,11 @@ rules, how its rows become what SFTTrainer trains on, and the length policy, cou
 - alpaca: the Llama seed's exact prompt as prompt/completion, tokenized exactly as TRL 1.16 tokenizes
   it (tested); completion-only loss;
 - text: plain text, every token trained (tokenized as TRL does);
-- messages: chat conversations, rendered and tokenized once with assistant-only masks (`masking.py`);
+- messages: chat conversations, rendered and tokenized once with assistant-only masks (`masking.py`),
+  tool-calling ones included: assistant `tool_calls`, `role: tool` results and a `tools` column (`tools.py`).
+  Tool rows are `messages` rows, not a format of their own, because that is TRL's conversational shape
+  (a `tools` column beside `messages`) and tool datasets mix rows with and without calls in one file;
+  a row with no tool content is read exactly as before;
 - alpaca_chat: alpaca rows read as user/assistant conversations (the instruction, then its input, as the
   user turn; the output as the assistant turn), then trained exactly as messages: the model's chat
   template, assistant-only loss, packable. A mixture of alpaca and chat sources trains one prompt style;
@@ -28,14 +32,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.compute as pc
-from datasets import Dataset, IterableDataset
+from datasets import Dataset, IterableDataset, Value
 from transformers import PreTrainedTokenizerBase
 from trl.data_utils import common_prefix_length
 
 from sft_recipes.data.blocks import IGNORE_INDEX
-from sft_recipes.data.masking import KEPT, TRUNCATED_AWAY, tokenize_conversations
+from sft_recipes.data.masking import KEPT, TRUNCATED_AWAY, check_renders_tools, tokenize_conversations
 from sft_recipes.data.report import DataReport
 from sft_recipes.data.rows import NO_TRAINABLE_TOKENS, OVERLONG, messages_problem, text_problem
+from sft_recipes.data.tools import TOOLS_FIELD, has_tool_content, stored_conversation, tool_problem
 from sft_recipes.errors import RecipeError
 
 LENGTH_BATCH = 1000
@@ -215,12 +220,41 @@ class TextFormat(_TokenizedAsTrl):
 
 class ChatFormat(DatasetFormat):
     name = "messages"
-    description = "chat conversations, assistant-only loss with the model's own chat template"
+    description = ("chat conversations (with tool_calls, tool results and a `tools` column where given), "
+                   "assistant-only loss with the model's own chat template")
     required = frozenset({"messages"})
+    optional = frozenset({TOOLS_FIELD})
     chat = True
 
     def row_problem(self, row):
-        return messages_problem(row.get("messages"))
+        messages, tools = row.get("messages"), row.get(TOOLS_FIELD)
+        return messages_problem(messages) or (tool_problem(messages, tools) if has_tool_content(messages, tools)
+                                              else None)
+
+    def stored_row(self, row):
+        """A tool row with its calls and tools as JSON strings, the tools on its first message (`tools.py`)."""
+        messages, tools = row.get("messages"), row.get(TOOLS_FIELD)
+        return {"messages": stored_conversation(messages, tools) if has_tool_content(messages, tools) else messages}
+
+    def as_trained(self, rows):
+        """Rows read from the Hub as the local ones are stored: tool calls and tools as JSON, the tools moved
+        onto the first message. Rows without a `tools` column or `tool_calls` field are trained as read."""
+        present = rows.column_names
+        fields = rows.features["messages"].feature if present is not None and rows.features else None
+        if present is not None and TOOLS_FIELD not in present and not (
+                isinstance(fields, dict) and "tool_calls" in fields and fields["tool_calls"] != Value("string")):
+            return rows
+        return rows.map(lambda row: self.stored_row(row), remove_columns=[
+            column for column in (TOOLS_FIELD,) if present is None or column in present])
+
+    def check_trainable(self, rows, tokenizer, tokenization):
+        """A source with tool rows needs a template that renders tools and calls: refused up front otherwise."""
+        if not _has_tool_rows(rows):
+            return
+        try:
+            check_renders_tools(tokenizer, **tokenization.template_kwargs)
+        except ValueError as error:
+            raise RecipeError(f"This source has tool-calling rows. {error}") from None
 
     def prepare(self, rows, tokenizer, tokenization, report):
         """`input_ids` + `assistant_masks`: every conversation rendered and tokenized once, then the overlong
@@ -277,6 +311,7 @@ class AlpacaChatFormat(ChatFormat):
     description = "instruction/input/output as a user/assistant conversation: chat template, assistant-only loss"
     required = AlpacaFormat.required
     optional = AlpacaFormat.optional
+    stored_row = DatasetFormat.stored_row
 
     def row_problem(self, row):
         return AlpacaFormat.row_problem(self, row)
@@ -299,6 +334,7 @@ class ReasoningFormat(ChatFormat):
     def check_trainable(self, rows, tokenizer, tokenization):
         from sft_recipes.data.reasoning import check_reasoning_is_trained
 
+        super().check_trainable(rows, tokenizer, tokenization)
         check_reasoning_is_trained(rows, tokenizer, **tokenization.template_kwargs)
 
 
@@ -325,6 +361,19 @@ class VisionMessagesFormat(ChatFormat):
     def to_tokens(self, rows, tokenizer, tokenization, report):
         raise RecipeError("dataset_format vision_messages trains through the image block stream: set "
                           "pack_blocks: true (TRL's own pipeline neither packs nor masks image rows).")
+
+
+def _has_tool_rows(rows: Dataset | IterableDataset) -> bool:
+    """Whether any conversation carries tools or tool calls (a stream: any of its first 1000), read in Arrow."""
+    if isinstance(rows, IterableDataset):
+        return any(has_tool_content(row["messages"], row["messages"][0].get(TOOLS_FIELD) if row["messages"] else None)
+                   for row in rows.take(1000))
+    fields = rows.features["messages"].feature
+    if not isinstance(fields, dict):
+        return False
+    messages = pc.list_flatten(rows.data.column("messages"))
+    return any(pc.any(pc.is_valid(pc.struct_field(messages, [name]))).as_py()
+               for name in (TOOLS_FIELD, "tool_calls") if name in fields)
 
 
 def _truncated(batch: dict[str, list], max_length: int) -> dict[str, list]:
