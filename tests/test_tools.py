@@ -256,3 +256,27 @@ def test_tool_rows_pack_block_diagonally_and_mix_with_plain_chat(tmp_path):
     assert calls == 2  # the area call and the two parallel plays (one turn); the bad rows never reach a block
     assert not any("<tool_response>" in text or "Calculate the area of a triangle" in text for text in trained)
     assert sum(text.count("<|im_end|>") for text in trained) > calls  # ultrachat's replies share the blocks
+
+
+def test_a_streamed_tool_source_is_packed_with_its_drops_counted_by_the_reader(tmp_path):
+    from test_mixture import build_source_data, write_recipe
+
+    from sft_recipes.config import load_recipe
+
+    path = write_recipe(tmp_path, dataset_name=str(tool_file(tmp_path)), dataset_format="messages", streaming=True,
+                        pack_blocks=True, max_length=512, max_dropped_share=0.9)
+    tokenizer = real_tokenizer("llama")
+    data = build_source_data(load_recipe(path), tokenizer)
+    stream = RankLocalBlockStream(data.train, tokenizer, 512, rank=0, world_size=1)
+    blocks = []
+    for block in stream:
+        blocks.append(block)
+        if block.get("stream_exhausted"):
+            break
+    read = blocks[0]["stream_stats"]
+    for block in blocks[1:]:
+        read = read.add(block["stream_stats"])
+    assert read.sources[0].dropped == {UNKNOWN_TOOL: 1, INVALID_TOOL_ARGUMENTS: 1, ORPHAN_TOOL_RESULT: 1,
+                                       SEVERAL_TOOL_CALLS: 1}
+    trained = "".join(tokenizer.decode([t for t in block["labels"] if t != -100]) for block in blocks)
+    assert trained == "".join(EXPECTED["llama"]) + "It is 25 square units.<|eot_id|>"
