@@ -97,6 +97,11 @@ class DatasetFormat:
         therefore see the rows as read); most formats train them as read."""
         return rows
 
+    def rows_to_train(self, rows: Dataset | IterableDataset, train_turns: str = "all") -> Dataset | IterableDataset:
+        """`as_trained`, then (chat rows, `train_turns: last`) only each conversation's last reply in the loss."""
+        rows = self.as_trained(rows)
+        return last_turn_only(rows) if train_turns == "last" and self.chat else rows
+
     def check_trainable(self, rows, tokenizer: PreTrainedTokenizerBase, tokenization: Tokenization) -> None:
         """RecipeError when the rows, as this run tokenizes them, would not train what the format promises."""
 
@@ -361,6 +366,18 @@ class VisionMessagesFormat(ChatFormat):
     def to_tokens(self, rows, tokenizer, tokenization, report):
         raise RecipeError("dataset_format vision_messages trains through the image block stream: set "
                           "pack_blocks: true (TRL's own pipeline neither packs nor masks image rows).")
+
+
+def last_turn_only(rows: Dataset | IterableDataset) -> Dataset | IterableDataset:
+    """`train_turns: last`: every assistant message but each conversation's last one flagged `train: false`
+    (kept as context, out of the loss: `masking.py`)."""
+    def flagged(row: dict[str, Any]) -> dict[str, Any]:
+        messages = row["messages"]
+        last = max((index for index, message in enumerate(messages) if message["role"] == "assistant"), default=-1)
+        return {"messages": [{**message, "train": False} if message["role"] == "assistant" and index != last
+                             else message for index, message in enumerate(messages)]}
+
+    return rows.map(flagged)
 
 
 def _has_tool_rows(rows: Dataset | IterableDataset) -> bool:

@@ -62,7 +62,7 @@ import re
 import weakref
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from os.path import commonprefix
 from typing import Any
 
@@ -86,7 +86,12 @@ EMPTY_ASSISTANT_TURNS = "empty_assistant_turns"
 PREFIX_MISMATCH = "prefix_mismatch"
 TRUNCATED_AWAY = "truncated_away"
 SEVERAL_TOOL_CALLS = "several_tool_calls"
-DROP_REASONS = (NO_ASSISTANT_TURN, EMPTY_ASSISTANT_TURNS, PREFIX_MISMATCH, TRUNCATED_AWAY, SEVERAL_TOOL_CALLS)
+NO_TRAINED_TURN = "no_trained_turn"
+DROP_REASONS = (NO_ASSISTANT_TURN, EMPTY_ASSISTANT_TURNS, PREFIX_MISMATCH, TRUNCATED_AWAY, SEVERAL_TOOL_CALLS,
+                NO_TRAINED_TURN)
+# Per-message flags that keep an assistant turn out of the loss (axolotl's `train`, LLaMA-Factory / axolotl `weight`);
+# taken off the message before rendering, so the template never sees them.
+TRAIN_FLAG, WEIGHT_FLAG = "train", "weight"
 # The probe's slot for an assistant message's last tool call: its function name, which templates render verbatim.
 TOOL_CALL_FIELD = "\ue002tool_call"
 
@@ -117,6 +122,7 @@ class MaskedConversation:
     rerendered_turns: int  # assistant turns rendered differently once later turns exist
     unrendered_reasoning_turns: int  # assistant turns whose reasoning field the template does not show
     used_prefix_renders: bool  # content-dependent template: located by re-rendering prefixes
+    untrained_turns: int = 0  # assistant turns rendered but kept out of the loss (train: false / weight: 0)
 
 
 def tokenize_conversations(
@@ -156,7 +162,8 @@ def mask_conversations(
     """``tokenize_conversations`` with everything known about each row (for audits)."""
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be a positive number of tokens or None, got {max_length}.")
-    rows = [_normalized(conversation, row) for row, conversation in enumerate(conversations)]
+    normalized = [_normalized(conversation, row) for row, conversation in enumerate(conversations)]
+    rows = [(conversation, tools) for conversation, tools, _ in normalized]
     conversations = [conversation for conversation, _ in rows]
     with_tools = [tools for _, tools in rows if tools]
     masker = _masker_for(tokenizer, template_kwargs.get("tools") or (with_tools[0] if with_tools else None))
@@ -175,8 +182,18 @@ def mask_conversations(
             kwargs = {**template_kwargs, "tools": tools} if tools else template_kwargs
             texts.append(masker.render_batch([conversation], kwargs)[0])
             located.append(masker.locate(conversation, texts[-1], kwargs))
+    located = [_without_untrained(row, untrained) for row, (_, _, untrained) in zip(located, normalized)]
     encodings = masker.encode(texts)
     return [_masked(*row, max_length) for row in zip(texts, located, encodings)]
+
+
+def _without_untrained(located: _Located, untrained: frozenset[int]) -> _Located:
+    """The located turns less those of messages flagged out of the loss; none left is ``no_trained_turn``."""
+    if not untrained or located.drop_reason != KEPT:
+        return located
+    turns = tuple(turn for turn in located.turns if turn.message_index not in untrained)
+    return replace(located, turns=turns, drop_reason=KEPT if turns else NO_TRAINED_TURN,
+                   untrained_turns=len(located.turns) - len(turns))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,6 +217,7 @@ class _Located:
     rerendered_turns: int = 0
     unrendered_reasoning_turns: int = 0
     used_prefix_renders: bool = False
+    untrained_turns: int = 0
 
 
 @dataclass(frozen=True)
@@ -509,16 +527,21 @@ def _masker_for(tokenizer: PreTrainedTokenizerBase, tools: Any) -> _TemplateMask
     return by_template[chat_template]
 
 
-def _normalized(conversation: Conversation, row: int) -> tuple[Conversation, list[dict[str, Any]] | None]:
+def _normalized(conversation: Conversation, row: int
+                ) -> tuple[Conversation, list[dict[str, Any]] | None, frozenset[int]]:
     """Messages as apply_chat_template sees them (None-valued keys dropped, tool calls as `tools.py` normalises
-    them), checked for what we support; and the row's own tools, carried on its first message."""
+    them), checked for what we support; the row's own tools, carried on its first message; and the messages
+    flagged out of the loss (``train: false`` or ``weight: 0``)."""
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError(f"Conversation {row} must be a non-empty list of messages, got {conversation!r:.80}.")
-    normalized, tools = [], None
+    normalized, tools, untrained = [], None, set()
     for position, message in enumerate(conversation):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"Conversation {row} has a message without a string 'role': {message!r:.80}.")
         message = {key: value for key, value in message.items() if value is not None}
+        if message.pop(TRAIN_FLAG, True) is False or message.pop(WEIGHT_FLAG, 1) == 0:
+            untrained.add(position)
+        message.pop(WEIGHT_FLAG, None)
         try:
             if position == 0 and TOOLS_FIELD in message:
                 tools = parsed_tools(message.pop(TOOLS_FIELD))
@@ -535,7 +558,7 @@ def _normalized(conversation: Conversation, row: int) -> tuple[Conversation, lis
                     f"({', '.join(f for f in TEXT_FIELDS if f in message)}); flatten them to strings first."
                 )
         normalized.append(message)
-    return normalized, tools
+    return normalized, tools, frozenset(untrained)
 
 
 def _calls_tools(conversation: Conversation) -> bool:
@@ -735,6 +758,7 @@ def _masked(text: str, located: _Located, encoding: Encoding, max_length: int | 
         rerendered_turns=located.rerendered_turns,
         unrendered_reasoning_turns=located.unrendered_reasoning_turns,
         used_prefix_renders=located.used_prefix_renders,
+        untrained_turns=located.untrained_turns,
     )
 
 
