@@ -81,6 +81,12 @@ class DataArguments(ScriptArguments):
         metadata={"help": "Image rows: the most pixels an image is resized to (longest_edge), i.e. at most "
                   "max_pixels / (patch_size * merge_size)**2 image tokens; None keeps the model's own."},
     )
+    dataset_mapping: dict | None = field(
+        default=None,
+        metadata={"help": "dataset_format sharegpt: other column, key and role names, LLaMA-Factory's columns/tags "
+                  "(messages, system, tools, role_tag, content_tag, user_tag, assistant_tag, system_tag, "
+                  "function_tag, observation_tag); `mapping:` on a datasets entry."},
+    )
     train_turns: Literal["all", "last"] = field(
         default="all",
         metadata={"help": "Chat rows: which assistant turns are in the loss: every one ('all'), or only each "

@@ -4,6 +4,14 @@ rules, how its rows become what SFTTrainer trains on, and the length policy, cou
 - alpaca: the Llama seed's exact prompt as prompt/completion, tokenized exactly as TRL 1.16 tokenizes
   it (tested); completion-only loss;
 - text: plain text, every token trained (tokenized as TRL does);
+- prompt_completion: TRL's standard prompt/completion strings, tokenized as TRL does, loss on the completion;
+- prompt_completion_chat: TRL's conversational prompt/completion (message lists), read as one conversation whose
+  prompt replies are context only (`train: false`): the completion's assistant turns train, through the chat
+  template, packable. Two names, not one, because a dataset's rows are one or the other (one Arrow type per
+  column) and only conversations have a chat template, masks and packing;
+- sharegpt: `conversations: [{from, value}]` (human/gpt/system/function_call/observation, a `system` and a
+  `tools` column), LLaMA-Factory's ShareGPT, read as messages; other column, key and role names through the
+  source's `mapping` (LLaMA-Factory's `columns`/`tags`, checked when the recipe is parsed);
 - messages: chat conversations, rendered and tokenized once with assistant-only masks (`masking.py`),
   tool-calling ones included: assistant `tool_calls`, `role: tool` results and a `tools` column (`tools.py`).
   Tool rows are `messages` rows, not a format of their own, because that is TRL's conversational shape
@@ -26,7 +34,9 @@ Adding a format is adding one entry to `FORMATS`. The rows a format sees have pa
 
 from __future__ import annotations
 
+import difflib
 import functools
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +49,17 @@ from trl.data_utils import common_prefix_length
 from sft_recipes.data.blocks import IGNORE_INDEX
 from sft_recipes.data.masking import KEPT, TRUNCATED_AWAY, check_renders_tools, tokenize_conversations
 from sft_recipes.data.report import DataReport
-from sft_recipes.data.rows import NO_TRAINABLE_TOKENS, OVERLONG, messages_problem, text_problem
+from sft_recipes.data.rows import (
+    INVALID_TOOL_CALL,
+    MISSING_FIELD,
+    NO_ASSISTANT_TURN,
+    NO_TRAINABLE_TOKENS,
+    NOT_A_STRING,
+    OVERLONG,
+    UNKNOWN_ROLE,
+    messages_problem,
+    text_problem,
+)
 from sft_recipes.data.tools import TOOLS_FIELD, has_tool_content, stored_conversation, tool_problem
 from sft_recipes.errors import RecipeError
 
@@ -63,6 +83,7 @@ class DatasetFormat:
     required: frozenset[str]
     optional: frozenset[str] = frozenset()
     chat = False  # conversations with assistant-only masks: auditable and packable into blocks
+    converts_to_messages = False  # rows become `messages` rows as they are read (`sources.py`): stored_row
     vision = False  # rows carry images: trained through the image block stream (`vision.py`)
 
     @property
@@ -91,6 +112,15 @@ class DatasetFormat:
         """A good row of a local file as it is stored: the format's own columns only (a stray column whose type
         changes between rows would break Arrow)."""
         return {column: row.get(column) for column in self.columns}
+
+    def with_mapping(self, mapping: dict[str, str]) -> DatasetFormat:
+        """This format reading other column, key or role names (a source's `mapping`); only sharegpt has one."""
+        raise RecipeError(f"dataset_format {self.name} takes no `mapping` (only sharegpt does): rename the columns "
+                          "or remove `mapping`.")
+
+    def mapping_problems(self, mapping: Any, where: str) -> list[str]:
+        return [] if mapping is None else [f"{where}: dataset_format {self.name} takes no `mapping` (only sharegpt "
+                                           "does): remove it, or rename the columns in the data"]
 
     def as_trained(self, rows: Dataset | IterableDataset) -> Dataset | IterableDataset:
         """The rows in the shape this format trains them, after its row rules and the held-out split (which
@@ -249,7 +279,7 @@ class ChatFormat(DatasetFormat):
         if present is not None and TOOLS_FIELD not in present and not (
                 isinstance(fields, dict) and "tool_calls" in fields and fields["tool_calls"] != Value("string")):
             return rows
-        return rows.map(lambda row: self.stored_row(row), remove_columns=[
+        return rows.map(lambda row: ChatFormat.stored_row(self, row), remove_columns=[
             column for column in (TOOLS_FIELD,) if present is None or column in present])
 
     def check_trainable(self, rows, tokenizer, tokenization):
@@ -343,6 +373,140 @@ class ReasoningFormat(ChatFormat):
         check_reasoning_is_trained(rows, tokenizer, **tokenization.template_kwargs)
 
 
+class PromptCompletionFormat(_TokenizedAsTrl):
+    name = "prompt_completion"
+    description = "TRL's prompt/completion strings, loss on the completion (completion_only_loss: false: all)"
+    required = frozenset({"prompt", "completion"})
+
+    def row_problem(self, row):
+        return text_problem(row.get("prompt"), required=False) or text_problem(row.get("completion"))
+
+    def texts(self, rows, eos):
+        return ([(prompt or "") + _with_eos(completion, eos) for prompt, completion in zip(rows["prompt"],
+                                                                                          rows["completion"])],
+                [prompt or "" for prompt in rows["prompt"]])
+
+
+class _ConvertedChat(ChatFormat):
+    """A chat shape read as `messages` rows as it is read (`converts_to_messages`): its own row rules on the
+    source's columns, then the messages rules on the conversation it becomes."""
+
+    converts_to_messages = True
+
+    def conversation(self, row: dict[str, Any]) -> dict[str, Any] | str:
+        """`{messages, tools}` of a row, or the drop reason that stops it from being one."""
+        raise NotImplementedError
+
+    def row_problem(self, row):
+        chat = self.conversation(row)
+        return chat if isinstance(chat, str) else ChatFormat.row_problem(self, chat)
+
+    def stored_row(self, row):
+        return ChatFormat.stored_row(self, self.conversation(row))
+
+    def as_trained(self, rows):
+        return ChatFormat.as_trained(self, rows)  # read as messages already (`sources.py`)
+
+
+class PromptCompletionChatFormat(_ConvertedChat):
+    name = "prompt_completion_chat"
+    description = ("TRL's conversational prompt/completion (message lists): the completion's assistant turns trained "
+                   "through the chat template, the prompt's replies context only; packable")
+    required = frozenset({"prompt", "completion"})
+    optional = frozenset({TOOLS_FIELD})
+
+    def conversation(self, row):
+        prompt, completion = row.get("prompt"), row.get("completion")
+        if prompt is None or completion is None:
+            return MISSING_FIELD
+        if not isinstance(prompt, list) or not isinstance(completion, list):
+            return NOT_A_STRING  # strings: dataset_format prompt_completion
+        if not any(isinstance(message, dict) and message.get("role") == "assistant" for message in completion):
+            return NO_ASSISTANT_TURN
+        context = [{**message, "train": False} if isinstance(message, dict) and message.get("role") == "assistant"
+                   else message for message in prompt]
+        return {"messages": context + completion, TOOLS_FIELD: row.get(TOOLS_FIELD)}
+
+
+SHAREGPT_DEFAULTS = {  # LLaMA-Factory's dataset_info.json names: columns, then tags
+    "messages": "conversations", "system": "system", "tools": "tools",
+    "role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
+    "system_tag": "system", "function_tag": "function_call", "observation_tag": "observation",
+}
+
+
+class ShareGptFormat(_ConvertedChat):
+    """ShareGPT rows (LLaMA-Factory's function-calling shape included): a `function_call` message is an assistant
+    message whose value is the call(s) as JSON (`{name, arguments}` or a list of them), an `observation` a tool
+    result; the `tools` column is a JSON string of schemas."""
+
+    name = "sharegpt"
+    description = ("ShareGPT conversations: [{from, value}] (human/gpt/system/function_call/observation), system and "
+                   "tools columns; other names through the source's `mapping`")
+
+    def __init__(self, mapping: dict[str, str] | None = None):
+        self.names = {**SHAREGPT_DEFAULTS, **(mapping or {})}
+        self.required = frozenset({self.names["messages"]})
+        self.optional = frozenset({self.names["system"], self.names["tools"]})
+        self.roles = {self.names["user_tag"]: "user", self.names["assistant_tag"]: "assistant",
+                      self.names["system_tag"]: "system", self.names["function_tag"]: "function_call",
+                      self.names["observation_tag"]: "tool"}
+
+    def with_mapping(self, mapping):
+        return ShareGptFormat(mapping)
+
+    def mapping_problems(self, mapping, where):
+        if mapping is None:
+            return []
+        if not isinstance(mapping, dict):
+            return [f"{where}: mapping must be a mapping such as {{messages: conversations, user_tag: human}}"]
+        problems = []
+        for key, value in mapping.items():
+            if key not in SHAREGPT_DEFAULTS:
+                close = difflib.get_close_matches(str(key), SHAREGPT_DEFAULTS, n=2, cutoff=0.6)
+                problems.append(f"{where}: mapping has no key {key!r}" + (
+                    f"; did you mean {', '.join(map(repr, close))}?" if close
+                    else f" (keys: {', '.join(SHAREGPT_DEFAULTS)})"))
+            elif not isinstance(value, str) or not value:
+                problems.append(f"{where}: mapping.{key} must be a name (a string), got {value!r}")
+        names = {**SHAREGPT_DEFAULTS, **{k: v for k, v in mapping.items() if k in SHAREGPT_DEFAULTS}}
+        tags = [names[key] for key in SHAREGPT_DEFAULTS if key.endswith("_tag") and key not in ("role_tag",
+                                                                                                  "content_tag")]
+        if len(set(tags)) < len(tags):
+            problems.append(f"{where}: two roles are mapped to the same tag ({tags}): give each role its own tag")
+        return problems
+
+    def conversation(self, row):
+        names = self.names
+        turns = row.get(names["messages"])
+        if turns is None:
+            return MISSING_FIELD
+        if not isinstance(turns, list) or not all(isinstance(turn, dict) for turn in turns):
+            return NOT_A_STRING
+        messages = []
+        system = row.get(names["system"])
+        if system is not None:
+            if not isinstance(system, str):
+                return NOT_A_STRING
+            if system:
+                messages.append({"role": "system", "content": system})
+        for turn in turns:
+            role = self.roles.get(turn.get(names["role_tag"]))
+            value = turn.get(names["content_tag"])
+            if role is None:
+                return UNKNOWN_ROLE if turn.get(names["role_tag"]) is not None else MISSING_FIELD
+            if role == "function_call":
+                try:
+                    calls = json.loads(value) if isinstance(value, str) else value
+                except json.JSONDecodeError:
+                    return INVALID_TOOL_CALL
+                calls = calls if isinstance(calls, list) else [calls]
+                messages.append({"role": "assistant", "content": None, "tool_calls": calls})
+            else:
+                messages.append({"role": role, "content": value})
+        return {"messages": messages, TOOLS_FIELD: row.get(names["tools"])}
+
+
 class VisionMessagesFormat(ChatFormat):
     """TRL's image + text shape; rows are stored flat (string contents with image placeholders, `vision.py`), so
     that they concatenate with text chat sources, and train only through the image block stream."""
@@ -411,5 +575,6 @@ def supervised_tokens(dataset: Dataset) -> int:
 
 FORMATS: dict[str, DatasetFormat] = {fmt.name: fmt for fmt in
                                      (AlpacaFormat(), AlpacaChatFormat(), ChatFormat(), ReasoningFormat(), TextFormat(),
+                                      PromptCompletionFormat(), PromptCompletionChatFormat(), ShareGptFormat(),
                                       VisionMessagesFormat())}
 CHAT_FORMATS = tuple(name for name, fmt in FORMATS.items() if fmt.chat)

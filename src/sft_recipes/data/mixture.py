@@ -70,7 +70,7 @@ def training_sources(data_args) -> list[DatasetSource]:
         return parse_sources(data_args.datasets, "datasets", data_args.dataset_format)
     return [DatasetSource(path=data_args.dataset_name, dataset_format=data_args.dataset_format,
                           name=data_args.dataset_config, split=data_args.dataset_train_split,
-                          revision=data_args.dataset_revision)]
+                          revision=data_args.dataset_revision, mapping=getattr(data_args, "dataset_mapping", None))]
 
 
 def eval_sources(data_args) -> list[DatasetSource]:
@@ -116,6 +116,9 @@ def check_data_sources(data_args) -> None:
                          "conversations are read by the packed block stream (each rank reads and packs its own "
                          f"shard, counting what it drops): set pack_blocks: true, or {streaming_key}: false"
                          for source in sources if source.dataset_format in CHAT_FORMATS]
+    if not data_args.datasets and data_args.dataset_format in FORMATS:
+        problems += FORMATS[data_args.dataset_format].mapping_problems(getattr(data_args, "dataset_mapping", None),
+                                                                       "dataset_mapping")
     if getattr(data_args, "train_turns", "all") == "last":
         problems += [f"{source.label} has dataset_format {source.dataset_format!r}: train_turns: last picks among the "
                      "assistant turns of chat conversations; give this source as chat, or set train_turns: all"
