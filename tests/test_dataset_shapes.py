@@ -133,3 +133,17 @@ def test_a_mapping_is_checked_when_the_recipe_is_parsed(tmp_path):
     (tmp_path / "r.yaml").write_text(yaml.safe_dump({**base, "datasets": [
         {"path": "x.jsonl", "dataset_format": "sharegpt", "mapping": {"messages": "dialog", "user_tag": "USER"}}]}))
     assert load_recipe(tmp_path / "r.yaml").data.datasets[0]["mapping"] == {"messages": "dialog", "user_tag": "USER"}
+
+
+def test_prompt_completion_samples_are_asked_as_plain_text(tmp_path):
+    from sft_recipes.reporting.samples import prompt_style, user_turn
+
+    base = {"model_name_or_path": "tiny:llama", "output_dir": str(tmp_path / "out"), "use_cpu": True,
+            "dataset_name": "x.jsonl"}
+    styles = {}
+    for dataset_format in ("prompt_completion", "prompt_completion_chat", "sharegpt", "text"):
+        (tmp_path / "r.yaml").write_text(yaml.safe_dump({**base, "dataset_format": dataset_format}))
+        styles[dataset_format] = prompt_style(load_recipe(tmp_path / "r.yaml").data)
+    assert styles == {"prompt_completion": "text", "prompt_completion_chat": "chat", "sharegpt": "chat",
+                      "text": "text"}
+    assert user_turn(PROMPTS[0], "prompt_completion") == "The sky is"

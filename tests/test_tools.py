@@ -280,3 +280,17 @@ def test_a_streamed_tool_source_is_packed_with_its_drops_counted_by_the_reader(t
                                        SEVERAL_TOOL_CALLS: 1}
     trained = "".join(tokenizer.decode([t for t in block["labels"] if t != -100]) for block in blocks)
     assert trained == "".join(EXPECTED["llama"]) + "It is 25 square units.<|eot_id|>"
+
+
+@pytest.mark.fsdp
+def test_two_process_packed_run_on_tool_rows(tmp_path):
+    from conftest import REPO_ROOT, launch_sft, read_summary
+
+    out = tmp_path / "run"
+    launch_sft(REPO_ROOT / "recipes" / "examples" / "tiny_llama_tools.yaml", "--max_steps", "4", "--eval_steps", "4",
+               "--save_strategy", "no", "--report_to", "none", "--sample_prompts", "[]", "--output_dir", str(out))
+    summary = read_summary(out)
+    assert list(summary["losses"]) == ["1", "2", "3", "4"] and set(summary["eval_losses"]) == {"4"}
+    report = json.loads((out / "data_report.json").read_text())
+    (source,) = report["sources"]
+    assert source["dropped"] == {} and source["eval_rows"] == 5  # 5% of the 100 rows held out by row hash
