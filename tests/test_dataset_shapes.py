@@ -13,7 +13,6 @@ from datasets import Dataset
 from real_tokenizers import real_tokenizer
 from sft_recipes.config import load_recipe
 from sft_recipes.data.formats import FORMATS, Tokenization
-from sft_recipes.data.report import DataReport
 from sft_recipes.data.rows import NO_ASSISTANT_TURN, NOT_A_STRING, UNKNOWN_ROLE, UNKNOWN_TOOL
 from sft_recipes.data.sources import load_checked_dataset
 from sft_recipes.errors import RecipeError
