@@ -294,3 +294,23 @@ def test_two_process_packed_run_on_tool_rows(tmp_path):
     report = json.loads((out / "data_report.json").read_text())
     (source,) = report["sources"]
     assert source["dropped"] == {} and source["eval_rows"] == 5  # 5% of the 100 rows held out by row hash
+
+
+def test_a_model_whose_template_renders_no_tools_is_refused_with_one_error_line(tmp_path):
+    import shutil
+
+    import sys
+
+    from conftest import run_command
+
+    model = tmp_path / "model"
+    shutil.copytree(ensure_tiny("llama"), model)
+    (model / "chat_template.jinja").write_text(  # a plain template that ignores tools and tool_calls
+        "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+        "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    result = run_command([sys.executable, "scripts/sft.py", "recipes/examples/tiny_llama_tools.yaml",
+                          "--model_name_or_path", str(model), "--audit-data", "1"], timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: This source has tool-calling rows. The chat template renders no tool definitions or no assistant "
+        "tool_calls")

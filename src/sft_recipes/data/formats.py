@@ -283,6 +283,9 @@ class ChatFormat(DatasetFormat):
             column for column in (TOOLS_FIELD,) if present is None or column in present])
 
     def check_trainable(self, rows, tokenizer, tokenization):
+        self.check_tools_render(rows, tokenizer, tokenization)
+
+    def check_tools_render(self, rows, tokenizer, tokenization):
         """A source with tool rows needs a template that renders tools and calls: refused up front otherwise."""
         if not _has_tool_rows(rows):
             return

@@ -584,8 +584,9 @@ def check_renders_tools(tokenizer: PreTrainedTokenizerBase, **template_kwargs: A
     if not masker.tool_support[key]:
         raise ValueError(
             "The chat template renders no tool definitions or no assistant tool_calls, so a tool-calling "
-            "conversation would train calls the model is never shown how to make. Use the model's own "
-            "tool-calling chat template (chat_template_path), or train only rows without tools and tool_calls."
+            "conversation would train calls the model is never shown how to make. Use a model whose tokenizer "
+            "carries its own tool-calling chat template (chat_template.jinja beside it), or train only rows "
+            "without tools and tool_calls."
         )
 
 

@@ -119,5 +119,6 @@ def audit_data(run: Run, tokenizer, n: int) -> str:
                           "--datasets null --dataset_name PATH --dataset_format FORMAT.")
     rows = run.data_format.rows_to_train(load_checked_dataset(run.recipe.data)[0], run.recipe.data.train_turns)  # alpaca_chat: as conversations
     tokenization = run.tokenization
+    run.data_format.check_tools_render(rows, tokenizer, tokenization)
     return format_report(audit_dataset(rows, tokenizer, n, max_length=tokenization.max_length,
                                        **tokenization.template_kwargs))
