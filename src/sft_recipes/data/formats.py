@@ -113,6 +113,11 @@ class DatasetFormat:
         changes between rows would break Arrow)."""
         return {column: row.get(column) for column in self.columns}
 
+    @property
+    def stored_columns(self) -> list[str]:
+        """The columns of a row as `stored_row` stores it."""
+        return self.columns
+
     def with_mapping(self, mapping: dict[str, str]) -> DatasetFormat:
         """This format reading other column, key or role names (a source's `mapping`); only sharegpt has one."""
         raise RecipeError(f"dataset_format {self.name} takes no `mapping` (only sharegpt does): rename the columns "
@@ -266,6 +271,8 @@ class ChatFormat(DatasetFormat):
         return messages_problem(messages) or (tool_problem(messages, tools) if has_tool_content(messages, tools)
                                               else None)
 
+    stored_columns = ["messages"]
+
     def stored_row(self, row):
         """A tool row with its calls and tools as JSON strings, the tools on its first message (`tools.py`)."""
         messages, tools = row.get("messages"), row.get(TOOLS_FIELD)
@@ -350,6 +357,7 @@ class AlpacaChatFormat(ChatFormat):
     required = AlpacaFormat.required
     optional = AlpacaFormat.optional
     stored_row = DatasetFormat.stored_row
+    stored_columns = DatasetFormat.stored_columns
 
     def row_problem(self, row):
         return AlpacaFormat.row_problem(self, row)

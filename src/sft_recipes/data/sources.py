@@ -272,13 +272,14 @@ def _valid_jsonl_rows(path: str, dataset_format: str, mark_bad_rows: bool = Fals
     """The rows of a local .jsonl that a streamed run can train on; bad lines are skipped (or, with
     `mark_bad_rows`, yielded empty with their reason in ROW_PROBLEM), not fatal."""
     fmt = FORMATS[dataset_format].with_mapping(mapping) if mapping else FORMATS[dataset_format]
-    columns = ["messages"] if fmt.converts_to_messages else fmt.columns
+    # As a map-style read stores them (the held-out hash sees the same row); image rows stay as read here.
+    columns = fmt.columns if fmt.vision else fmt.stored_columns
     check = StreamedRowCheck(path, fmt)
     for line in read_jsonl(Path(path)):
         row = line.row
         problem = check.problem(row, f"line {line.number}", line.text, line.problem)
         if problem is None:
-            good = fmt.stored_row(row) if fmt.converts_to_messages else {column: row.get(column) for column in columns}
+            good = {column: row.get(column) for column in columns} if fmt.vision else fmt.stored_row(row)
             yield good | ({ROW_PROBLEM: None} if mark_bad_rows else {})
         elif mark_bad_rows:  # its values stay behind: a wrongly typed one would break Arrow
             yield dict.fromkeys(columns) | {ROW_PROBLEM: problem}
