@@ -294,7 +294,7 @@ def test_two_process_packed_run_on_tool_rows(tmp_path):
     assert list(summary["losses"]) == ["1", "2", "3", "4"] and set(summary["eval_losses"]) == {"4"}
     report = json.loads((out / "data_report.json").read_text())
     (source,) = report["sources"]
-    assert source["dropped"] == {} and source["eval_rows"] == 5  # 5% of the 100 rows held out by row hash
+    assert (source["rows"], source["dropped"], source["eval_rows"]) == (100, {}, 3)  # test_split_size 0.05, by hash
 
 
 def test_a_model_whose_template_renders_no_tools_is_refused_with_one_error_line(tmp_path):
