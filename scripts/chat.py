@@ -5,6 +5,11 @@
     .venv/bin/python scripts/chat.py outputs/demo --prompt "What is 2 + 3?"      # answer once, exit 0
     .venv/bin/python scripts/chat.py outputs/lora --base_model path/to/base      # adapter onto another copy of its base
     .venv/bin/python scripts/chat.py outputs/vision --image cat.png --prompt "What is in the picture?"  # a VLM export
+    .venv/bin/python scripts/chat.py outputs/tools --tools tools.json --prompt "Area of a 10 x 5 triangle?"
+
+--tools FILE: a JSON list of function schemas ({type: function, function: {name, description, parameters}} or
+the bare {name, description, parameters}), given to the chat template as `tools=`, as a tool row's `tools`
+are in training; the model's calls are printed, not run.
 
 Each turn goes through the tokenizer's chat template (the whole conversation so far); the answer
 streams token by token. Greedy unless --temperature > 0.
@@ -14,24 +19,43 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 from transformers import TextStreamer
 
+from sft_recipes.data.masking import check_renders_tools
+from sft_recipes.data.tools import ToolDataError, parsed_tools
 from sft_recipes.reporting.load_export import load_export
 
 
 def answer(model, tokenizer, conversation: list[dict], max_new_tokens: int, temperature: float,
-           inputs: dict | None = None) -> str:
+           inputs: dict | None = None, tools: list[dict] | None = None) -> str:
     if inputs is None:
         inputs = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_tensors="pt",
-                                               return_dict=True)
+                                               return_dict=True, **({"tools": tools} if tools else {}))
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=max_new_tokens, streamer=streamer,
                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling)
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def read_tools(path: str) -> list[dict]:
+    """The schemas of a --tools file, as training reads a row's `tools` (`sft_recipes.data.tools`)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise ValueError(f"cannot read --tools {path}: {err.strerror}") from None
+    try:
+        tools = parsed_tools(text)
+    except ToolDataError as err:
+        raise ValueError(f"--tools {path}: {err}; give a JSON list of function schemas "
+                         "([{\"name\": ..., \"description\": ..., \"parameters\": {...}}])") from None
+    if not tools:
+        raise ValueError(f"--tools {path} holds no tool; give a JSON list of function schemas")
+    return tools
 
 
 def image_prompt_inputs(output_dir: str, model, tokenizer, prompt: str, image_paths: list[str]) -> dict:
@@ -61,9 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base_model", help="for an adapter: load it onto this base instead of the one it names")
     parser.add_argument("--image", action="append", default=[],
                         help="with --prompt: an image the question is about (a VLM export; repeat for several)")
+    parser.add_argument("--tools", help="a JSON file with the function schemas the model may call (chat template tools=)")
     args = parser.parse_args(argv)
     try:
+        tools = read_tools(args.tools) if args.tools else None
         model, tokenizer = load_export(args.output_dir, args.base_model)
+        if tools:
+            check_renders_tools(tokenizer)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -79,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         answer(model, tokenizer, [], args.max_new_tokens, args.temperature, inputs=inputs)
         return 0
     if args.prompt is not None:
-        answer(model, tokenizer, [{"role": "user", "content": args.prompt}], args.max_new_tokens, args.temperature)
+        answer(model, tokenizer, [{"role": "user", "content": args.prompt}], args.max_new_tokens, args.temperature,
+               tools=tools)
         return 0
     conversation: list[dict] = []
     while True:
@@ -92,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         conversation.append({"role": "user", "content": message})
         print("model> ", end="", flush=True)
         conversation.append({"role": "assistant", "content": answer(model, tokenizer, conversation,
-                                                                    args.max_new_tokens, args.temperature)})
+                                                                    args.max_new_tokens, args.temperature,
+                                                                    tools=tools)})
     return 0
 
 

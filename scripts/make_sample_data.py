@@ -12,6 +12,13 @@ files are byte-for-byte reproducible. Schemas:
   prompt, ``messages``).
 - ``multilingual_thinking.jsonl``: HuggingFaceH4/Multilingual-Thinking (``reasoning_language``,
   ``developer``, ``user``, ``analysis``, ``final``, ``messages`` with a ``thinking`` field).
+- ``glaive_toolcall.jsonl``: llamafactory/glaive_toolcall_en (LLaMA-Factory's ShareGPT:
+  ``conversations`` of ``human`` / ``function_call`` / ``observation`` / ``gpt`` turns, ``tools`` a
+  JSON string of schemas, ``"[]"`` on rows without tools). The questions, function schemas and calls
+  are the real BFCL v4 ones (``data/realworld/tools/``, simple_python and multiple: one call each),
+  made OpenAI-style as BFCL's own OpenAI handler does (``dict`` -> ``object``, ``float`` -> ``number``,
+  dots in names -> ``_``; each argument its first accepted value, left out where ``""`` comes first);
+  the tool results and the answers after them are templated, and a few rows are plain chat.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from pathlib import Path
 SEED = 1234
 DEFAULT_OUT_DIR = Path(__file__).resolve().parents[1] / "data" / "samples"
 ALPACA_ROWS, ULTRACHAT_ROWS, THINKING_ROWS = 300, 200, 100
+BFCL_DIR = Path(__file__).resolve().parents[1] / "data" / "realworld" / "tools"
+BFCL_FILES = ("gorilla__bfcl_v4.simple_python.jsonl", "gorilla__bfcl_v4.multiple.jsonl")
+PLAIN_TOOL_ROWS = 12  # glaive rows without tools ("tools": "[]")
 
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid",
@@ -245,6 +255,47 @@ def thinking_rows(rng: random.Random, count: int) -> list[dict]:
     return rows
 
 
+def _openai_schema(value):
+    """A BFCL schema as JSON Schema: objects are typed "dict" and numbers "float" there."""
+    if isinstance(value, dict):
+        converted = {key: _openai_schema(item) for key, item in value.items()}
+        if converted.get("type") in ("dict", "float"):
+            converted["type"] = {"dict": "object", "float": "number"}[converted["type"]]
+        return converted
+    if isinstance(value, list):
+        return [_openai_schema(item) for item in value]
+    return value
+
+
+def _tool_name(name: str) -> str:
+    return name.replace(".", "_")
+
+
+def glaive_toolcall_rows(rng: random.Random) -> list[dict]:
+    rows = []
+    for name in BFCL_FILES:
+        for line in (BFCL_DIR / name).read_text(encoding="utf-8").splitlines():
+            bfcl = json.loads(line)
+            tools = [{"name": _tool_name(doc["name"]), "description": doc["description"],
+                      "parameters": _openai_schema(doc["parameters"])} for doc in bfcl["function"]]
+            ((function, accepted),) = bfcl["ground_truth"][0].items()
+            arguments = {key: values[0] for key, values in accepted.items() if values and values[0] != ""}
+            call = {"name": _tool_name(function), "arguments": arguments}
+            shown = ", ".join(f"{key}={json.dumps(value)}" for key, value in arguments.items())
+            rows.append({"conversations": [
+                {"from": "human", "value": bfcl["question"][0][0]["content"]},
+                {"from": "function_call", "value": json.dumps(call)},
+                {"from": "observation", "value": json.dumps({"status": "ok", "request_id": rng.randrange(10_000)})},
+                {"from": "gpt", "value": f"I called {call['name']} with {shown}; it completed successfully."},
+            ], "tools": json.dumps(tools)})
+    for _ in range(PLAIN_TOOL_ROWS):
+        problem = draw_problem(rng, with_input_share=0.0)
+        rows.append({"conversations": [{"from": "human", "value": problem.prompt},
+                                       {"from": "gpt", "value": problem.answer}], "tools": "[]"})
+    rng.shuffle(rows)
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
 
@@ -258,7 +309,9 @@ def main() -> None:
     write_jsonl(out_dir / "alpaca.jsonl", alpaca_rows(random.Random(SEED), ALPACA_ROWS))
     write_jsonl(out_dir / "ultrachat.jsonl", ultrachat_rows(random.Random(SEED + 1), ULTRACHAT_ROWS))
     write_jsonl(out_dir / "multilingual_thinking.jsonl", thinking_rows(random.Random(SEED + 2), THINKING_ROWS))
-    print(f"wrote {ALPACA_ROWS} + {ULTRACHAT_ROWS} + {THINKING_ROWS} rows to {out_dir}")
+    tool_rows = glaive_toolcall_rows(random.Random(SEED + 3))
+    write_jsonl(out_dir / "glaive_toolcall.jsonl", tool_rows)
+    print(f"wrote {ALPACA_ROWS} + {ULTRACHAT_ROWS} + {THINKING_ROWS} + {len(tool_rows)} rows to {out_dir}")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def test_unknown_key_names_the_closest_valid_keys(tmp_path):
     [
         ("max_steps", "ten", "'max_steps' must be an integer, got 'ten'"),
         ("bf16", "yes please", "'bf16' must be true or false"),
-        ("dataset_format", "sharegpt", "'dataset_format' must be one of ['alpaca', 'alpaca_chat', 'messages'"),
+        ("dataset_format", "openai_chat", "'dataset_format' must be one of ['alpaca', 'alpaca_chat', 'messages'"),
         ("learning_rate", [1, 2], "'learning_rate' must be a number"),
     ],
 )

@@ -521,12 +521,12 @@ def test_batched_map_keeps_rows_aligned_and_the_chat_format_drops_and_counts(lla
     assert dataset.column_names == ["input_ids", "assistant_masks"] and len(dataset) == 3
 
 
-def test_tool_calls_are_refused_not_mismasked(llama):
+def test_unreadable_tool_calls_are_refused_not_mismasked(llama):
     chat = [
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "w", "arguments": {}}}]},
+        {"role": "assistant", "content": "", "tool_calls": '[{"function": {"name": "w", "arguments": "{oops"}}]'},
     ]
-    with pytest.raises(ValueError, match="tool_calls"):
+    with pytest.raises(ValueError, match="the arguments of w are not JSON; read tool rows with dataset_format: messages"):
         tokenize_conversations(llama, [chat])
 
 

@@ -68,7 +68,7 @@ def test_every_bad_entry_is_named_at_once_with_its_fix(tmp_path):
     message = str(err.value)
     assert "datasets[0]: unknown key 'fration'; did you mean 'fraction'?" in message
     assert ("datasets[1]: dataset_format must be one of ['alpaca', 'alpaca_chat', 'messages', 'reasoning', 'text', "
-            "'vision_messages'], got 'chat'") in message
+            "'prompt_completion', 'prompt_completion_chat', 'sharegpt', 'vision_messages'], got 'chat'") in message
     assert "datasets[1]: fraction must be a number > 0" in message
     assert "test_split_size is the share of rows held out for eval, in (0, 1); got 1.5" in message
 

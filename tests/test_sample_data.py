@@ -44,7 +44,7 @@ def test_committed_files_are_what_the_script_writes(tmp_path):
         capture_output=True,
     )
     written = sorted(path.name for path in tmp_path.iterdir())
-    assert written == ["alpaca.jsonl", "multilingual_thinking.jsonl", "ultrachat.jsonl"]
+    assert written == ["alpaca.jsonl", "glaive_toolcall.jsonl", "multilingual_thinking.jsonl", "ultrachat.jsonl"]
     for name in written:
         assert (tmp_path / name).read_bytes() == (SAMPLES / name).read_bytes(), f"{name} is stale: rerun the script"
 
@@ -146,3 +146,31 @@ def test_realworld_copies_are_the_shared_files_byte_for_byte(copy):
     if not SHARED_REALWORLD.is_dir():
         pytest.skip(f"no team shared/ beside this clone to compare {copy} with")
     assert (REALWORLD / copy).read_bytes() == (SHARED_REALWORLD / copy).read_bytes()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gpt_oss"])
+def test_every_tool_row_is_read_and_trains_its_real_bfcl_call_on_each_template(family):
+    from types import SimpleNamespace
+
+    from sft_recipes.data.formats import FORMATS, Tokenization
+    from sft_recipes.data.sources import load_checked_dataset
+
+    args = SimpleNamespace(dataset_name=str(SAMPLES / "glaive_toolcall.jsonl"), dataset_format="sharegpt",
+                           dataset_streaming=False, dataset_train_split="train", dataset_config=None,
+                           dataset_revision=None, max_train_samples=None, overlong_policy="truncate",
+                           pack_blocks=False, chat_template_kwargs=None)
+    rows, report = load_checked_dataset(args)
+    assert (report.rows, report.dropped) == (100, {})
+    fmt = FORMATS["sharegpt"]
+    trained = fmt.to_tokens(fmt.as_trained(rows), tiny.build_tokenizer(family), Tokenization(max_length=None), report)
+    assert (len(trained), report.dropped) == (100, {})
+    real = {json.loads(line)["question"][0][0]["content"]: json.loads(line)["ground_truth"][0]
+            for name in ("simple_python", "multiple")
+            for line in (REALWORLD / "tools" / f"gorilla__bfcl_v4.{name}.jsonl").read_text().splitlines()}
+    calls = [row for row in read_rows("glaive_toolcall.jsonl") if row["tools"] != "[]"]
+    assert len(calls) == 88
+    for row in calls:
+        ((function, accepted),) = real[row["conversations"][0]["value"]].items()
+        call = json.loads(row["conversations"][1]["value"])
+        assert call["name"] == function.replace(".", "_")
+        assert all(value in accepted[key] for key, value in call["arguments"].items())

@@ -231,3 +231,29 @@ def test_interactive_chat_keeps_the_conversation(tiny_llama, monkeypatch, capsys
 def test_chat_refuses_a_folder_without_an_export(tmp_path, capsys):
     assert load_chat_script().main([str(tmp_path), "--prompt", "hi"]) == 2
     assert "holds no exported model (no config.json, no adapter_config.json)" in capsys.readouterr().err
+
+
+def test_chat_gives_the_tools_file_to_the_template(tiny_llama, tmp_path, capsys, monkeypatch):
+    path, model, tokenizer = tiny_llama
+    schema = {"name": "calculate_triangle_area", "description": "Calculate the area of a triangle.",
+              "parameters": {"type": "object", "properties": {"base": {"type": "integer"}}, "required": ["base"]}}
+    (tmp_path / "tools.json").write_text(json.dumps([schema]))
+    prompts = []
+    real_generate = type(model).generate
+
+    def generate(self, **kwargs):
+        prompts.append(tokenizer.decode(kwargs["input_ids"][0]))
+        return real_generate(self, **kwargs)
+
+    monkeypatch.setattr(type(model), "generate", generate)
+    chat = load_chat_script()
+    assert chat.main([path, "--tools", str(tmp_path / "tools.json"), "--prompt", "Area?", "--max_new_tokens", "2"]) == 0
+    tools = [{"type": "function", "function": schema}]
+    assert prompts == [tokenizer.apply_chat_template([{"role": "user", "content": "Area?"}], tools=tools,
+                                                     add_generation_prompt=True, tokenize=False)]
+    assert '"name": "calculate_triangle_area"' in prompts[0]  # Llama-3.1 puts the schemas in the user turn
+    capsys.readouterr()
+    (tmp_path / "bad.json").write_text('{"name": "x"}')
+    assert chat.main([path, "--tools", str(tmp_path / "bad.json"), "--prompt", "Area?"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --tools {tmp_path / 'bad.json'}: the tools are not a list of "
+                                              "JSON schemas; give a JSON list of function schemas")

@@ -81,6 +81,18 @@ class DataArguments(ScriptArguments):
         metadata={"help": "Image rows: the most pixels an image is resized to (longest_edge), i.e. at most "
                   "max_pixels / (patch_size * merge_size)**2 image tokens; None keeps the model's own."},
     )
+    dataset_mapping: dict | None = field(
+        default=None,
+        metadata={"help": "dataset_format sharegpt: other column, key and role names, LLaMA-Factory's columns/tags "
+                  "(messages, system, tools, role_tag, content_tag, user_tag, assistant_tag, system_tag, "
+                  "function_tag, observation_tag); `mapping:` on a datasets entry."},
+    )
+    train_turns: Literal["all", "last"] = field(
+        default="all",
+        metadata={"help": "Chat rows: which assistant turns are in the loss: every one ('all'), or only each "
+                  "conversation's last ('last', LLaMA-Factory's mask_history); earlier ones stay as context. A "
+                  "message's own `train: false` / `weight: 0` keeps it out either way."},
+    )
     chat_template_kwargs: dict | None = field(
         default=None, metadata={"help": "Extra chat-template variables, e.g. {enable_thinking: false}."}
     )

@@ -39,6 +39,7 @@ class AuditReport:
     rerendered_turns: int  # turns the template renders differently once later turns exist (masked as rendered)
     unrendered_reasoning_turns: int  # turns whose reasoning field the template leaves out
     prefix_render_conversations: int  # content-dependent renders, located by re-rendering prefixes
+    untrained_turns: int  # assistant turns kept out of the loss (train: false / weight: 0 / train_turns: last)
     examples: tuple[AuditExample, ...]
 
     @property
@@ -81,6 +82,7 @@ def audit_masks(
         rerendered_turns=sum(row.rerendered_turns for row in kept),
         unrendered_reasoning_turns=sum(row.unrendered_reasoning_turns for row in kept),
         prefix_render_conversations=sum(row.used_prefix_renders for row in masked),
+        untrained_turns=sum(row.untrained_turns for row in kept),
         examples=tuple(_example(tokenizer, index, row) for index, row in enumerate(masked[:n])),
     )
 
@@ -115,6 +117,11 @@ def format_report(report: AuditReport) -> str:
         f"assistant turns supervised: {report.assistant_turns}; every one ends with its stop token: "
         + ("yes" if report.every_turn_ends_with_stop_token else _cut_turns(report.turns_without_stop_token)),
     ]
+    if report.untrained_turns:
+        lines.append(
+            f"assistant turns kept out of the loss (train: false, weight: 0 or train_turns: last): "
+            f"{report.untrained_turns} (shown unmarked: context only)"
+        )
     if report.empty_turns:
         lines.append(
             f"assistant turns with no text (empty or whitespace only): {report.empty_turns} "

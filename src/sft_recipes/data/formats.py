@@ -4,7 +4,19 @@ rules, how its rows become what SFTTrainer trains on, and the length policy, cou
 - alpaca: the Llama seed's exact prompt as prompt/completion, tokenized exactly as TRL 1.16 tokenizes
   it (tested); completion-only loss;
 - text: plain text, every token trained (tokenized as TRL does);
-- messages: chat conversations, rendered and tokenized once with assistant-only masks (`masking.py`);
+- prompt_completion: TRL's standard prompt/completion strings, tokenized as TRL does, loss on the completion;
+- prompt_completion_chat: TRL's conversational prompt/completion (message lists), read as one conversation whose
+  prompt replies are context only (`train: false`): the completion's assistant turns train, through the chat
+  template, packable. Two names, not one, because a dataset's rows are one or the other (one Arrow type per
+  column) and only conversations have a chat template, masks and packing;
+- sharegpt: `conversations: [{from, value}]` (human/gpt/system/function_call/observation, a `system` and a
+  `tools` column), LLaMA-Factory's ShareGPT, read as messages; other column, key and role names through the
+  source's `mapping` (LLaMA-Factory's `columns`/`tags`, checked when the recipe is parsed);
+- messages: chat conversations, rendered and tokenized once with assistant-only masks (`masking.py`),
+  tool-calling ones included: assistant `tool_calls`, `role: tool` results and a `tools` column (`tools.py`).
+  Tool rows are `messages` rows, not a format of their own, because that is TRL's conversational shape
+  (a `tools` column beside `messages`) and tool datasets mix rows with and without calls in one file;
+  a row with no tool content is read exactly as before;
 - alpaca_chat: alpaca rows read as user/assistant conversations (the instruction, then its input, as the
   user turn; the output as the assistant turn), then trained exactly as messages: the model's chat
   template, assistant-only loss, packable. A mixture of alpaca and chat sources trains one prompt style;
@@ -22,20 +34,33 @@ Adding a format is adding one entry to `FORMATS`. The rows a format sees have pa
 
 from __future__ import annotations
 
+import difflib
 import functools
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.compute as pc
-from datasets import Dataset, IterableDataset
+from datasets import Dataset, IterableDataset, Value
 from transformers import PreTrainedTokenizerBase
 from trl.data_utils import common_prefix_length
 
 from sft_recipes.data.blocks import IGNORE_INDEX
-from sft_recipes.data.masking import KEPT, TRUNCATED_AWAY, tokenize_conversations
+from sft_recipes.data.masking import KEPT, TRUNCATED_AWAY, check_renders_tools, tokenize_conversations
 from sft_recipes.data.report import DataReport
-from sft_recipes.data.rows import NO_TRAINABLE_TOKENS, OVERLONG, messages_problem, text_problem
+from sft_recipes.data.rows import (
+    INVALID_TOOL_CALL,
+    MISSING_FIELD,
+    NO_ASSISTANT_TURN,
+    NO_TRAINABLE_TOKENS,
+    NOT_A_STRING,
+    OVERLONG,
+    UNKNOWN_ROLE,
+    messages_problem,
+    text_problem,
+)
+from sft_recipes.data.tools import TOOLS_FIELD, has_tool_content, stored_conversation, tool_problem
 from sft_recipes.errors import RecipeError
 
 LENGTH_BATCH = 1000
@@ -58,6 +83,7 @@ class DatasetFormat:
     required: frozenset[str]
     optional: frozenset[str] = frozenset()
     chat = False  # conversations with assistant-only masks: auditable and packable into blocks
+    converts_to_messages = False  # rows become `messages` rows as they are read (`sources.py`): stored_row
     vision = False  # rows carry images: trained through the image block stream (`vision.py`)
 
     @property
@@ -87,10 +113,29 @@ class DatasetFormat:
         changes between rows would break Arrow)."""
         return {column: row.get(column) for column in self.columns}
 
+    @property
+    def stored_columns(self) -> list[str]:
+        """The columns of a row as `stored_row` stores it."""
+        return self.columns
+
+    def with_mapping(self, mapping: dict[str, str]) -> DatasetFormat:
+        """This format reading other column, key or role names (a source's `mapping`); only sharegpt has one."""
+        raise RecipeError(f"dataset_format {self.name} takes no `mapping` (only sharegpt does): rename the columns "
+                          "or remove `mapping`.")
+
+    def mapping_problems(self, mapping: Any, where: str) -> list[str]:
+        return [] if mapping is None else [f"{where}: dataset_format {self.name} takes no `mapping` (only sharegpt "
+                                           "does): remove it, or rename the columns in the data"]
+
     def as_trained(self, rows: Dataset | IterableDataset) -> Dataset | IterableDataset:
         """The rows in the shape this format trains them, after its row rules and the held-out split (which
         therefore see the rows as read); most formats train them as read."""
         return rows
+
+    def rows_to_train(self, rows: Dataset | IterableDataset, train_turns: str = "all") -> Dataset | IterableDataset:
+        """`as_trained`, then (chat rows, `train_turns: last`) only each conversation's last reply in the loss."""
+        rows = self.as_trained(rows)
+        return last_turn_only(rows) if train_turns == "last" and self.chat else rows
 
     def check_trainable(self, rows, tokenizer: PreTrainedTokenizerBase, tokenization: Tokenization) -> None:
         """RecipeError when the rows, as this run tokenizes them, would not train what the format promises."""
@@ -215,12 +260,46 @@ class TextFormat(_TokenizedAsTrl):
 
 class ChatFormat(DatasetFormat):
     name = "messages"
-    description = "chat conversations, assistant-only loss with the model's own chat template"
+    description = ("chat conversations (with tool_calls, tool results and a `tools` column where given), "
+                   "assistant-only loss with the model's own chat template")
     required = frozenset({"messages"})
+    optional = frozenset({TOOLS_FIELD})
     chat = True
 
     def row_problem(self, row):
-        return messages_problem(row.get("messages"))
+        messages, tools = row.get("messages"), row.get(TOOLS_FIELD)
+        return messages_problem(messages) or (tool_problem(messages, tools) if has_tool_content(messages, tools)
+                                              else None)
+
+    stored_columns = ["messages"]
+
+    def stored_row(self, row):
+        """A tool row with its calls and tools as JSON strings, the tools on its first message (`tools.py`)."""
+        messages, tools = row.get("messages"), row.get(TOOLS_FIELD)
+        return {"messages": stored_conversation(messages, tools) if has_tool_content(messages, tools) else messages}
+
+    def as_trained(self, rows):
+        """Rows read from the Hub as the local ones are stored: tool calls and tools as JSON, the tools moved
+        onto the first message. Rows without a `tools` column or `tool_calls` field are trained as read."""
+        present = rows.column_names
+        fields = rows.features["messages"].feature if present is not None and rows.features else None
+        if present is not None and TOOLS_FIELD not in present and not (
+                isinstance(fields, dict) and "tool_calls" in fields and fields["tool_calls"] != Value("string")):
+            return rows
+        return rows.map(lambda row: ChatFormat.stored_row(self, row), remove_columns=[
+            column for column in (TOOLS_FIELD,) if present is None or column in present])
+
+    def check_trainable(self, rows, tokenizer, tokenization):
+        self.check_tools_render(rows, tokenizer, tokenization)
+
+    def check_tools_render(self, rows, tokenizer, tokenization):
+        """A source with tool rows needs a template that renders tools and calls: refused up front otherwise."""
+        if not _has_tool_rows(rows):
+            return
+        try:
+            check_renders_tools(tokenizer, **tokenization.template_kwargs)
+        except ValueError as error:
+            raise RecipeError(f"This source has tool-calling rows. {error}") from None
 
     def prepare(self, rows, tokenizer, tokenization, report):
         """`input_ids` + `assistant_masks`: every conversation rendered and tokenized once, then the overlong
@@ -277,6 +356,8 @@ class AlpacaChatFormat(ChatFormat):
     description = "instruction/input/output as a user/assistant conversation: chat template, assistant-only loss"
     required = AlpacaFormat.required
     optional = AlpacaFormat.optional
+    stored_row = DatasetFormat.stored_row
+    stored_columns = DatasetFormat.stored_columns
 
     def row_problem(self, row):
         return AlpacaFormat.row_problem(self, row)
@@ -299,7 +380,142 @@ class ReasoningFormat(ChatFormat):
     def check_trainable(self, rows, tokenizer, tokenization):
         from sft_recipes.data.reasoning import check_reasoning_is_trained
 
+        super().check_trainable(rows, tokenizer, tokenization)
         check_reasoning_is_trained(rows, tokenizer, **tokenization.template_kwargs)
+
+
+class PromptCompletionFormat(_TokenizedAsTrl):
+    name = "prompt_completion"
+    description = "TRL's prompt/completion strings, loss on the completion (completion_only_loss: false: all)"
+    required = frozenset({"prompt", "completion"})
+
+    def row_problem(self, row):
+        return text_problem(row.get("prompt"), required=False) or text_problem(row.get("completion"))
+
+    def texts(self, rows, eos):
+        return ([(prompt or "") + _with_eos(completion, eos) for prompt, completion in zip(rows["prompt"],
+                                                                                          rows["completion"])],
+                [prompt or "" for prompt in rows["prompt"]])
+
+
+class _ConvertedChat(ChatFormat):
+    """A chat shape read as `messages` rows as it is read (`converts_to_messages`): its own row rules on the
+    source's columns, then the messages rules on the conversation it becomes."""
+
+    converts_to_messages = True
+
+    def conversation(self, row: dict[str, Any]) -> dict[str, Any] | str:
+        """`{messages, tools}` of a row, or the drop reason that stops it from being one."""
+        raise NotImplementedError
+
+    def row_problem(self, row):
+        chat = self.conversation(row)
+        return chat if isinstance(chat, str) else ChatFormat.row_problem(self, chat)
+
+    def stored_row(self, row):
+        return ChatFormat.stored_row(self, self.conversation(row))
+
+    def as_trained(self, rows):
+        return ChatFormat.as_trained(self, rows)  # read as messages already (`sources.py`)
+
+
+class PromptCompletionChatFormat(_ConvertedChat):
+    name = "prompt_completion_chat"
+    description = ("TRL's conversational prompt/completion (message lists): the completion's assistant turns trained "
+                   "through the chat template, the prompt's replies context only; packable")
+    required = frozenset({"prompt", "completion"})
+    optional = frozenset({TOOLS_FIELD})
+
+    def conversation(self, row):
+        prompt, completion = row.get("prompt"), row.get("completion")
+        if prompt is None or completion is None:
+            return MISSING_FIELD
+        if not isinstance(prompt, list) or not isinstance(completion, list):
+            return NOT_A_STRING  # strings: dataset_format prompt_completion
+        if not any(isinstance(message, dict) and message.get("role") == "assistant" for message in completion):
+            return NO_ASSISTANT_TURN
+        context = [{**message, "train": False} if isinstance(message, dict) and message.get("role") == "assistant"
+                   else message for message in prompt]
+        return {"messages": context + completion, TOOLS_FIELD: row.get(TOOLS_FIELD)}
+
+
+SHAREGPT_DEFAULTS = {  # LLaMA-Factory's dataset_info.json names: columns, then tags
+    "messages": "conversations", "system": "system", "tools": "tools",
+    "role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
+    "system_tag": "system", "function_tag": "function_call", "observation_tag": "observation",
+}
+
+
+class ShareGptFormat(_ConvertedChat):
+    """ShareGPT rows (LLaMA-Factory's function-calling shape included): a `function_call` message is an assistant
+    message whose value is the call(s) as JSON (`{name, arguments}` or a list of them), an `observation` a tool
+    result; the `tools` column is a JSON string of schemas."""
+
+    name = "sharegpt"
+    description = ("ShareGPT conversations: [{from, value}] (human/gpt/system/function_call/observation), system and "
+                   "tools columns; other names through the source's `mapping`")
+
+    def __init__(self, mapping: dict[str, str] | None = None):
+        self.names = {**SHAREGPT_DEFAULTS, **(mapping or {})}
+        self.required = frozenset({self.names["messages"]})
+        self.optional = frozenset({self.names["system"], self.names["tools"]})
+        self.roles = {self.names["user_tag"]: "user", self.names["assistant_tag"]: "assistant",
+                      self.names["system_tag"]: "system", self.names["function_tag"]: "function_call",
+                      self.names["observation_tag"]: "tool"}
+
+    def with_mapping(self, mapping):
+        return ShareGptFormat(mapping)
+
+    def mapping_problems(self, mapping, where):
+        if mapping is None:
+            return []
+        if not isinstance(mapping, dict):
+            return [f"{where}: mapping must be a mapping such as {{messages: conversations, user_tag: human}}"]
+        problems = []
+        for key, value in mapping.items():
+            if key not in SHAREGPT_DEFAULTS:
+                close = difflib.get_close_matches(str(key), SHAREGPT_DEFAULTS, n=2, cutoff=0.6)
+                problems.append(f"{where}: mapping has no key {key!r}" + (
+                    f"; did you mean {', '.join(map(repr, close))}?" if close
+                    else f" (keys: {', '.join(SHAREGPT_DEFAULTS)})"))
+            elif not isinstance(value, str) or not value:
+                problems.append(f"{where}: mapping.{key} must be a name (a string), got {value!r}")
+        names = {**SHAREGPT_DEFAULTS, **{k: v for k, v in mapping.items() if k in SHAREGPT_DEFAULTS}}
+        tags = [names[key] for key in SHAREGPT_DEFAULTS if key.endswith("_tag") and key not in ("role_tag",
+                                                                                                  "content_tag")]
+        if len(set(tags)) < len(tags):
+            problems.append(f"{where}: two roles are mapped to the same tag ({tags}): give each role its own tag")
+        return problems
+
+    def conversation(self, row):
+        names = self.names
+        turns = row.get(names["messages"])
+        if turns is None:
+            return MISSING_FIELD
+        if not isinstance(turns, list) or not all(isinstance(turn, dict) for turn in turns):
+            return NOT_A_STRING
+        messages = []
+        system = row.get(names["system"])
+        if system is not None:
+            if not isinstance(system, str):
+                return NOT_A_STRING
+            if system:
+                messages.append({"role": "system", "content": system})
+        for turn in turns:
+            role = self.roles.get(turn.get(names["role_tag"]))
+            value = turn.get(names["content_tag"])
+            if role is None:
+                return UNKNOWN_ROLE if turn.get(names["role_tag"]) is not None else MISSING_FIELD
+            if role == "function_call":
+                try:
+                    calls = json.loads(value) if isinstance(value, str) else value
+                except json.JSONDecodeError:
+                    return INVALID_TOOL_CALL
+                calls = calls if isinstance(calls, list) else [calls]
+                messages.append({"role": "assistant", "content": None, "tool_calls": calls})
+            else:
+                messages.append({"role": role, "content": value})
+        return {"messages": messages, TOOLS_FIELD: row.get(names["tools"])}
 
 
 class VisionMessagesFormat(ChatFormat):
@@ -327,6 +543,31 @@ class VisionMessagesFormat(ChatFormat):
                           "pack_blocks: true (TRL's own pipeline neither packs nor masks image rows).")
 
 
+def last_turn_only(rows: Dataset | IterableDataset) -> Dataset | IterableDataset:
+    """`train_turns: last`: every assistant message but each conversation's last one flagged `train: false`
+    (kept as context, out of the loss: `masking.py`)."""
+    def flagged(row: dict[str, Any]) -> dict[str, Any]:
+        messages = row["messages"]
+        last = max((index for index, message in enumerate(messages) if message["role"] == "assistant"), default=-1)
+        return {"messages": [{**message, "train": False} if message["role"] == "assistant" and index != last
+                             else message for index, message in enumerate(messages)]}
+
+    return rows.map(flagged)
+
+
+def _has_tool_rows(rows: Dataset | IterableDataset) -> bool:
+    """Whether any conversation carries tools or tool calls (a stream: any of its first 1000), read in Arrow."""
+    if isinstance(rows, IterableDataset):
+        return any(has_tool_content(row["messages"], row["messages"][0].get(TOOLS_FIELD) if row["messages"] else None)
+                   for row in rows.take(1000))
+    fields = rows.features["messages"].feature
+    if not isinstance(fields, dict):
+        return False
+    messages = pc.list_flatten(rows.data.column("messages"))
+    return any(pc.any(pc.is_valid(pc.struct_field(messages, [name]))).as_py()
+               for name in (TOOLS_FIELD, "tool_calls") if name in fields)
+
+
 def _truncated(batch: dict[str, list], max_length: int) -> dict[str, list]:
     """Keep the first `max_length` tokens and their mask bits; a row left with no target is `truncated_away`."""
     ids = [row[:max_length] for row in batch["input_ids"]]
@@ -345,5 +586,6 @@ def supervised_tokens(dataset: Dataset) -> int:
 
 FORMATS: dict[str, DatasetFormat] = {fmt.name: fmt for fmt in
                                      (AlpacaFormat(), AlpacaChatFormat(), ChatFormat(), ReasoningFormat(), TextFormat(),
+                                      PromptCompletionFormat(), PromptCompletionChatFormat(), ShareGptFormat(),
                                       VisionMessagesFormat())}
 CHAT_FORMATS = tuple(name for name, fmt in FORMATS.items() if fmt.chat)

@@ -42,15 +42,27 @@ reasoning, the last with it). Otherwise it is masked by rendering its prefixes i
 reference recipe's method), which is right only where the template renders each turn the same
 whatever follows it; where it does not, the conversation is dropped with reason
 ``prefix_mismatch``. Nothing is ever masked silently wrong or silently empty.
+
+Tool calls (`tools.py`): an assistant message's ``tool_calls`` are part of its turn. Each row is
+rendered with its own tools (``tools=``, carried on its first message). The last call's function
+name is a sentinel slot of the probe (every template renders the name verbatim), and such a turn
+ends at the last special token of the call as the render of the conversation up to that message
+writes it (``<|eot_id|>`` for Llama-3.1, ``<|im_end|>`` for Qwen3, ``<|call|>`` for gpt-oss, whose
+call holds ``<|channel|>`` and ``<|message|>`` too). Tool definitions and tool results are never
+supervised: they are not assistant messages. A template that renders one call per message
+(Llama-3.1 raises on more, gpt-oss renders only the first) drops a message with several calls as
+``several_tool_calls`` rather than train what the template would not show or split the calls into
+turns the data never had; a template that renders no tools is refused (`check_renders_tools`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import weakref
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from os.path import commonprefix
 from typing import Any
 
@@ -58,6 +70,8 @@ from jinja2 import TemplateError
 from tokenizers import Encoding
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
+
+from sft_recipes.data.tools import TOOLS_FIELD, ToolDataError, parsed_tool_calls, parsed_tools
 
 Message = dict[str, Any]
 Conversation = list[Message]
@@ -71,7 +85,15 @@ NO_ASSISTANT_TURN = "no_assistant_turn"
 EMPTY_ASSISTANT_TURNS = "empty_assistant_turns"
 PREFIX_MISMATCH = "prefix_mismatch"
 TRUNCATED_AWAY = "truncated_away"
-DROP_REASONS = (NO_ASSISTANT_TURN, EMPTY_ASSISTANT_TURNS, PREFIX_MISMATCH, TRUNCATED_AWAY)
+SEVERAL_TOOL_CALLS = "several_tool_calls"
+NO_TRAINED_TURN = "no_trained_turn"
+DROP_REASONS = (NO_ASSISTANT_TURN, EMPTY_ASSISTANT_TURNS, PREFIX_MISMATCH, TRUNCATED_AWAY, SEVERAL_TOOL_CALLS,
+                NO_TRAINED_TURN)
+# Per-message flags that keep an assistant turn out of the loss (axolotl's `train`, LLaMA-Factory / axolotl `weight`);
+# taken off the message before rendering, so the template never sees them.
+TRAIN_FLAG, WEIGHT_FLAG = "train", "weight"
+# The probe's slot for an assistant message's last tool call: its function name, which templates render verbatim.
+TOOL_CALL_FIELD = "\ue002tool_call"
 
 # Private-use code points: no template filter (trim, strip, lstrip('\n')) touches them.
 _SENTINEL = re.compile("\ue000([0-9]+)\ue001")
@@ -100,6 +122,7 @@ class MaskedConversation:
     rerendered_turns: int  # assistant turns rendered differently once later turns exist
     unrendered_reasoning_turns: int  # assistant turns whose reasoning field the template does not show
     used_prefix_renders: bool  # content-dependent template: located by re-rendering prefixes
+    untrained_turns: int = 0  # assistant turns rendered but kept out of the loss (train: false / weight: 0)
 
 
 def tokenize_conversations(
@@ -139,12 +162,38 @@ def mask_conversations(
     """``tokenize_conversations`` with everything known about each row (for audits)."""
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be a positive number of tokens or None, got {max_length}.")
-    masker = _masker_for(tokenizer, template_kwargs.get("tools"))
-    conversations = [_normalized(conversation, row) for row, conversation in enumerate(conversations)]
-    texts = masker.render_batch(conversations, template_kwargs)
-    located = [masker.locate(conv, text, template_kwargs) for conv, text in zip(conversations, texts)]
+    normalized = [_normalized(conversation, row) for row, conversation in enumerate(conversations)]
+    rows = [(conversation, tools) for conversation, tools, _ in normalized]
+    conversations = [conversation for conversation, _ in rows]
+    with_tools = [tools for _, tools in rows if tools]
+    masker = _masker_for(tokenizer, template_kwargs.get("tools") or (with_tools[0] if with_tools else None))
+    if not any(tools or _calls_tools(conversation) for conversation, tools in rows):
+        texts = masker.render_batch(conversations, template_kwargs)
+        located = [masker.locate(conv, text, template_kwargs) for conv, text in zip(conversations, texts)]
+    else:  # each row rendered with its own tools
+        check_renders_tools(tokenizer, **template_kwargs)
+        one_call = masker.renders_one_call_per_message(template_kwargs)
+        texts, located = [], []
+        for conversation, tools in rows:
+            if one_call and any(len(message.get("tool_calls", ())) > 1 for message in conversation):
+                texts.append("")
+                located.append(_Located((), SEVERAL_TOOL_CALLS))
+                continue
+            kwargs = {**template_kwargs, "tools": tools} if tools else template_kwargs
+            texts.append(masker.render_batch([conversation], kwargs)[0])
+            located.append(masker.locate(conversation, texts[-1], kwargs))
+    located = [_without_untrained(row, untrained) for row, (_, _, untrained) in zip(located, normalized)]
     encodings = masker.encode(texts)
     return [_masked(*row, max_length) for row in zip(texts, located, encodings)]
+
+
+def _without_untrained(located: _Located, untrained: frozenset[int]) -> _Located:
+    """The located turns less those of messages flagged out of the loss; none left is ``no_trained_turn``."""
+    if not untrained or located.drop_reason != KEPT:
+        return located
+    turns = tuple(turn for turn in located.turns if turn.message_index not in untrained)
+    return replace(located, turns=turns, drop_reason=KEPT if turns else NO_TRAINED_TURN,
+                   untrained_turns=len(located.turns) - len(turns))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,6 +217,7 @@ class _Located:
     rerendered_turns: int = 0
     unrendered_reasoning_turns: int = 0
     used_prefix_renders: bool = False
+    untrained_turns: int = 0
 
 
 @dataclass(frozen=True)
@@ -211,6 +261,7 @@ class _TemplateMasker:
         self.special_tokens = re.compile("|".join(map(re.escape, special)))
         # Keyed by (template kwargs, shape); None marks a shape whose turns cannot be located on a skeleton.
         self.skeletons: dict[tuple, _Skeleton | None] = {}
+        self.tool_support: dict[tuple, bool] = {}  # (question, template kwargs) -> answer (tool templates)
 
     # -- rendering ------------------------------------------------------------------------------
 
@@ -247,6 +298,22 @@ class _TemplateMasker:
             return self._render([conversation], template_kwargs, add_generation_prompt)[0]
         except TemplateError:
             return None  # e.g. an empty message list, which most templates index into
+
+    def renders_one_call_per_message(self, template_kwargs: dict[str, Any]) -> bool:
+        """Whether the template refuses (Llama-3.1) or leaves out (gpt-oss) the second call of a message."""
+        key = ("one_call", _kwargs_key(template_kwargs))
+        if key not in self.tool_support:
+            names = [_sentinel(0), _sentinel(1)]
+            tools = [{"type": "function", "function": {"name": name, "description": "", "parameters": {}}}
+                     for name in names]
+            calls = [{"type": "function", "function": {"name": name, "arguments": {}}} for name in names]
+            conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+            try:
+                rendered = self._render([conversation], {**template_kwargs, "tools": tools})[0]
+                self.tool_support[key] = rendered.count(names[1]) < 2  # the schema's mention and the call's
+            except TemplateError:
+                self.tool_support[key] = True
+        return self.tool_support[key]
 
     # -- locating turns -------------------------------------------------------------------------
 
@@ -309,9 +376,10 @@ class _TemplateMasker:
         for index, message in enumerate(conversation):
             if message["role"] != "assistant":
                 continue
-            mine = [slot for slot, owner in enumerate(owners) if owner == index]
+            # A name rendered again later (gpt-oss heads a tool result with the call's name) is not the turn's.
+            mine = [slot for slot, owner in enumerate(owners) if owner == index and sentinels[slot] not in sentinels[:slot]]
             rendered_texts = {slots[slot][1] for slot in mine}
-            if _has_text(message, REASONING_FIELDS) and not rendered_texts - {"content"}:
+            if _has_text(message, REASONING_FIELDS) and not rendered_texts.intersection(REASONING_FIELDS):
                 unrendered_reasoning += 1
             has_text = any(_has_text(message, [field]) for field in rendered_texts)
             empty_turns += not has_text
@@ -336,7 +404,17 @@ class _TemplateMasker:
                 if previous is None or previous.end[0] != first or start <= previous.end[1]:
                     return None
             closing = segments[last + 1]
-            stop = self.special_tokens.search(closing)
+            through = self._render_prefix(probe[: index + 1], template_kwargs, add_generation_prompt=False)
+            if slots[last][1] == TOOL_CALL_FIELD:
+                # The call ends at its last special token as the render up to this message writes it
+                # (gpt-oss: <|channel|> and <|message|> inside the call, <|call|> closing it).
+                call_tail = None if through is None else _after(through, sentinels[last])
+                if call_tail is None or not closing.startswith(call_tail):
+                    return None
+                stops = list(self.special_tokens.finditer(call_tail))
+                stop = stops[-1] if stops else None
+            else:
+                stop = self.special_tokens.search(closing)
             if stop is None:
                 raise ValueError(
                     f"The chat template closes an assistant turn with {closing[:40]!r}, which holds no special "
@@ -349,7 +427,6 @@ class _TemplateMasker:
                     index, (first, start), (last + 1, stop.start()), (last + 1, end), stop.group(), has_text,
                 )
             )
-            through = self._render_prefix(probe[: index + 1], template_kwargs, add_generation_prompt=False)
             if through is None or not (full.startswith(prompt) and full.startswith(through)):
                 rerendered += 1
         return _Skeleton(segments, slots, tuple(turns), empty_turns, rerendered, unrendered_reasoning)
@@ -367,7 +444,8 @@ class _TemplateMasker:
         (gpt-oss: an empty final message after the analysis one). Empty texts the template branches
         on (a system message left out when empty) go back to "".
         """
-        empty = {number for number, (index, field) in sentinel_slots.items() if conversation[index][field] == ""}
+        empty = {number for number, (index, field) in sentinel_slots.items()
+                 if _field_value(conversation[index], field) == ""}
         if not empty:
             return probe, self._render([probe], template_kwargs)[0]
         plain_probe = _with_texts_emptied(probe, [sentinel_slots[number] for number in empty])
@@ -376,7 +454,10 @@ class _TemplateMasker:
         def keeping(kept: set[int]) -> tuple[Conversation, str] | None:
             """The probe with only the ``kept`` empty texts as sentinels, if it renders like the plain one."""
             candidate = _with_texts_emptied(probe, [sentinel_slots[number] for number in empty - kept])
-            rendered = self._render([candidate], template_kwargs)[0]
+            try:
+                rendered = self._render([candidate], template_kwargs)[0]
+            except TemplateError:  # gpt-oss refuses content beside thinking in a call: an empty one is no slot
+                return None
             return (candidate, rendered) if _without_sentinels(rendered, kept) == plain else None
 
         return (
@@ -393,7 +474,7 @@ class _TemplateMasker:
         for index, message in enumerate(conversation):
             if message["role"] != "assistant":
                 continue
-            empty_turns += not _has_text(message, TEXT_FIELDS)
+            empty_turns += not (_has_text(message, TEXT_FIELDS) or "tool_calls" in message)
             before = self._render_prefix(conversation[:index], template_kwargs, add_generation_prompt=False)
             prompt = self._render_prefix(conversation[:index], template_kwargs, add_generation_prompt=True)
             through = self._render_prefix(conversation[: index + 1], template_kwargs, add_generation_prompt=False)
@@ -446,33 +527,80 @@ def _masker_for(tokenizer: PreTrainedTokenizerBase, tools: Any) -> _TemplateMask
     return by_template[chat_template]
 
 
-def _normalized(conversation: Conversation, row: int) -> Conversation:
-    """Messages as apply_chat_template sees them (None-valued keys dropped), checked for what we support."""
+def _normalized(conversation: Conversation, row: int
+                ) -> tuple[Conversation, list[dict[str, Any]] | None, frozenset[int]]:
+    """Messages as apply_chat_template sees them (None-valued keys dropped, tool calls as `tools.py` normalises
+    them), checked for what we support; the row's own tools, carried on its first message; and the messages
+    flagged out of the loss (``train: false`` or ``weight: 0``)."""
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError(f"Conversation {row} must be a non-empty list of messages, got {conversation!r:.80}.")
-    normalized = []
-    for message in conversation:
+    normalized, tools, untrained = [], None, set()
+    for position, message in enumerate(conversation):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"Conversation {row} has a message without a string 'role': {message!r:.80}.")
         message = {key: value for key, value in message.items() if value is not None}
+        if message.pop(TRAIN_FLAG, True) is False or message.pop(WEIGHT_FLAG, 1) == 0:
+            untrained.add(position)
+        message.pop(WEIGHT_FLAG, None)
+        try:
+            if position == 0 and TOOLS_FIELD in message:
+                tools = parsed_tools(message.pop(TOOLS_FIELD))
+            if message["role"] == "assistant" and "tool_calls" in message:
+                message["tool_calls"] = parsed_tool_calls(message["tool_calls"])
+                message.setdefault("content", "")  # Qwen3's template reads it
+        except ToolDataError as error:
+            raise ValueError(f"Conversation {row}: {error}; read tool rows with dataset_format: messages, "
+                             "whose row rules drop such rows.") from error
         if message["role"] == "assistant":
-            if "tool_calls" in message:
-                raise ValueError(
-                    f"Conversation {row} has an assistant message with tool_calls; assistant-only masking does "
-                    "not cover tool calls yet. Remove those rows or train them with full-sequence loss."
-                )
             if not all(isinstance(message[field], str) for field in TEXT_FIELDS if field in message):
                 raise ValueError(
                     f"Conversation {row} has an assistant message whose text fields are not strings "
                     f"({', '.join(f for f in TEXT_FIELDS if f in message)}); flatten them to strings first."
                 )
         normalized.append(message)
-    return normalized
+    return normalized, tools, frozenset(untrained)
+
+
+def _calls_tools(conversation: Conversation) -> bool:
+    return any("tool_calls" in message for message in conversation)
+
+
+_TOOL_PROBE = {"type": "function", "function": {"name": "probe_tool", "description": "\ue000probe\ue001",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+def check_renders_tools(tokenizer: PreTrainedTokenizerBase, **template_kwargs: Any) -> None:
+    """ValueError unless the chat template renders a tool's definition and a call to it."""
+    masker = _masker_for(tokenizer, [_TOOL_PROBE])
+    key = ("renders_tools", _kwargs_key(template_kwargs))
+    if key not in masker.tool_support:
+        call = {"type": "function", "function": {"name": "probe_tool", "arguments": {"probe_argument": 1}}}
+        conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        try:
+            rendered = masker._render([conversation], {**template_kwargs, "tools": [_TOOL_PROBE]})[0]
+            masker.tool_support[key] = "\ue000probe\ue001" in rendered and "probe_argument" in rendered
+        except TemplateError:
+            masker.tool_support[key] = False
+    if not masker.tool_support[key]:
+        raise ValueError(
+            "The chat template renders no tool definitions or no assistant tool_calls, so a tool-calling "
+            "conversation would train calls the model is never shown how to make. Use a model whose tokenizer "
+            "carries its own tool-calling chat template (chat_template.jinja beside it), or train only rows "
+            "without tools and tool_calls."
+        )
 
 
 def _has_text(message: Message, fields: Sequence[str]) -> bool:
     """Whether any of ``fields`` holds more than whitespace (a blank reply is an empty one)."""
-    return any(isinstance(message.get(field), str) and message[field].strip() for field in fields)
+    return any(isinstance(_field_value(message, field), str) and _field_value(message, field).strip()
+               for field in fields)
+
+
+def _field_value(message: Message, field: str) -> Any:
+    """A text field of a message, or (TOOL_CALL_FIELD) the function name of its last tool call."""
+    if field == TOOL_CALL_FIELD:
+        return message["tool_calls"][-1]["function"]["name"] if message.get("tool_calls") else None
+    return message.get(field)
 
 
 def _reasoning_moved_out_of_content(conversation: Conversation) -> Conversation | None:
@@ -531,6 +659,10 @@ def _sentinel_probe(conversation: Conversation) -> tuple[Conversation, dict[int,
                 probed[key] = _sentinel(len(slots) - 1)
             else:
                 probed[key] = value
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            slots[len(slots)] = (index, TOOL_CALL_FIELD)
+            *calls, last = message["tool_calls"]
+            probed["tool_calls"] = [*calls, {**last, "function": {**last["function"], "name": _sentinel(len(slots) - 1)}}]
         probe.append(probed)
     return probe, slots
 
@@ -563,7 +695,7 @@ def _segment_offsets(skeleton: _Skeleton, conversation: Conversation, text: str)
     for slot, (message_index, field) in enumerate(skeleton.slots):
         following = segments[slot + 1]
         value_end = _rendered_value_end(
-            text, position, conversation[message_index][field], following, is_last=slot == len(skeleton.slots) - 1
+            text, position, _field_value(conversation[message_index], field), following, is_last=slot == len(skeleton.slots) - 1
         )
         if value_end is None:
             return None
@@ -574,7 +706,8 @@ def _segment_offsets(skeleton: _Skeleton, conversation: Conversation, text: str)
 
 def _rendered_value_end(text: str, position: int, value: str, following: str, is_last: bool) -> int | None:
     """End of ``value`` as rendered at ``position`` (verbatim or whitespace-trimmed), None if it is not there."""
-    for candidate in (value, value.strip()):
+    # tojson'd texts (Llama-3.1 and gpt-oss tool results) are rendered JSON-escaped between the quotes.
+    for candidate in (value, value.strip(), json.dumps(value, ensure_ascii=False)[1:-1]):
         end = position + len(candidate)
         if text.startswith(candidate, position) and text.startswith(following, end):
             return end
@@ -626,6 +759,7 @@ def _masked(text: str, located: _Located, encoding: Encoding, max_length: int | 
         rerendered_turns=located.rerendered_turns,
         unrendered_reasoning_turns=located.unrendered_reasoning_turns,
         used_prefix_renders=located.used_prefix_renders,
+        untrained_turns=located.untrained_turns,
     )
 
 

@@ -70,7 +70,7 @@ def training_sources(data_args) -> list[DatasetSource]:
         return parse_sources(data_args.datasets, "datasets", data_args.dataset_format)
     return [DatasetSource(path=data_args.dataset_name, dataset_format=data_args.dataset_format,
                           name=data_args.dataset_config, split=data_args.dataset_train_split,
-                          revision=data_args.dataset_revision)]
+                          revision=data_args.dataset_revision, mapping=getattr(data_args, "dataset_mapping", None))]
 
 
 def eval_sources(data_args) -> list[DatasetSource]:
@@ -116,8 +116,22 @@ def check_data_sources(data_args) -> None:
                          "conversations are read by the packed block stream (each rank reads and packs its own "
                          f"shard, counting what it drops): set pack_blocks: true, or {streaming_key}: false"
                          for source in sources if source.dataset_format in CHAT_FORMATS]
+    if not data_args.datasets and data_args.dataset_format in FORMATS:
+        problems += FORMATS[data_args.dataset_format].mapping_problems(getattr(data_args, "dataset_mapping", None),
+                                                                       "dataset_mapping")
+    if getattr(data_args, "train_turns", "all") == "last":
+        problems += [f"{source.label} has dataset_format {source.dataset_format!r}: train_turns: last picks among the "
+                     "assistant turns of chat conversations; give this source as chat, or set train_turns: all"
+                     for source in _all_sources(data_args) if not FORMATS[source.dataset_format].chat]
     if problems:
         raise RecipeError("; ".join(problems))
+
+
+def _all_sources(data_args) -> list[DatasetSource]:
+    try:
+        return training_sources(data_args) + eval_sources(data_args)
+    except RecipeError:
+        return []  # already reported
 
 
 def _vision_needs(data_args, key: str) -> list[str]:
@@ -199,6 +213,7 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
     streaming = is_streamed(data_args)
     packs = data_args.pack_blocks
     marked = packs and streaming  # bad streamed rows stay in the stream, flagged, for its readers to count
+    turns = getattr(data_args, "train_turns", "all")
     report = MixtureReport(streamed=streaming, packed=packs)
     train_parts, eval_parts, raw_train = [], [], []
     for index, source in enumerate(training_sources(data_args)):
@@ -212,8 +227,8 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
             if len(held_out) == 0:
                 raise RecipeError(f"test_split_size={data_args.test_split_size} holds out no row of {source.label}: "
                                   "raise test_split_size, or give eval_datasets.")
-            eval_parts.append((source, _eval_rows(fmt.as_trained(held_out), source)))
-        rows = fmt.as_trained(rows)  # after the split: the same rows are held out whatever shape they train in
+            eval_parts.append((source, _eval_rows(fmt.rows_to_train(held_out, turns), source)))
+        rows = fmt.rows_to_train(rows, turns)  # after the split: the same rows are held out whatever shape they train in
         good_rows = without_marked_rows(rows) if marked else rows  # as the format's own checks read them
         if fmt.vision:  # image files checked (drops counted) and stored as records, relative paths resolved
             rows = with_images_checked(rows, source, checked)
@@ -230,7 +245,7 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
         train_parts.append(rows)
     for source in eval_sources(data_args):
         rows, _ = _load(source, streaming=False)  # eval data is finite: read whole, never streamed
-        eval_parts.append((source, _eval_rows(FORMATS[source.dataset_format].as_trained(rows), source)))
+        eval_parts.append((source, _eval_rows(FORMATS[source.dataset_format].rows_to_train(rows, turns), source)))
     entries = report.sources
     if streaming:
         columns = ["messages", SOURCE_FIELD, *([ROW_PROBLEM] if marked else [])] if packs else ["input_ids", "labels"]

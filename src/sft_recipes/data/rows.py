@@ -20,6 +20,14 @@ Each dropped row is counted under the first reason that applies:
   `truncate`, such rows keep their first `max_length` tokens and are counted as truncated; a row
   whose supervised tokens all fall past the cut is dropped (`no_trainable_tokens`; chat rows:
   `truncated_away`, the masking's name for it).
+- tool conversations (`tools.py`): `invalid_tools` (the `tools` column is not a list of named schemas or a
+  JSON string of one), `invalid_tool_call` (a call without a function name), `invalid_tool_arguments`
+  (arguments that are not a JSON object or a JSON string of one), `unknown_tool` (a call to a tool the
+  row's `tools` do not define), `orphan_tool_result` (a `role: tool` message that answers no call made
+  before it). An assistant message with `tool_calls` may have no content. The masking adds
+  `several_tool_calls` for a template that renders one call per message (`masking.py`).
+- `invalid_train_flag`: a message's `train` that is not true/false, or a `weight` other than 0 or 1 (a message
+  with `train: false` or `weight: 0` stays in the context and out of the loss; `masking.py`).
 - vision_messages rows: `image_count_mismatch`, `misplaced_image`, `missing_image`, `unreadable_image`,
   `image_size` (see `vision.py`); an image conversation longer than a packed block is `overlong`.
 """
@@ -37,6 +45,13 @@ UNKNOWN_ROLE = "unknown_role"
 NO_ASSISTANT_TURN = "no_assistant_turn"
 OVERLONG = "overlong"
 NO_TRAINABLE_TOKENS = "no_trainable_tokens"
+# tool conversations (`tools.py`)
+INVALID_TOOLS = "invalid_tools"
+INVALID_TOOL_CALL = "invalid_tool_call"
+INVALID_TOOL_ARGUMENTS = "invalid_tool_arguments"
+UNKNOWN_TOOL = "unknown_tool"
+ORPHAN_TOOL_RESULT = "orphan_tool_result"
+INVALID_TRAIN_FLAG = "invalid_train_flag"
 # vision_messages rows (`vision.py`): image parts vs images, an image where it cannot be, the image files themselves.
 IMAGE_COUNT_MISMATCH = "image_count_mismatch"
 MISPLACED_IMAGE = "misplaced_image"
@@ -44,7 +59,8 @@ MISSING_IMAGE = "missing_image"
 UNREADABLE_IMAGE = "unreadable_image"
 IMAGE_SIZE = "image_size"
 ROW_DROP_REASONS = (INVALID_JSON, NOT_UTF8, MISSING_FIELD, NOT_A_STRING, EMPTY_CONTENT, UNKNOWN_ROLE, NO_ASSISTANT_TURN, OVERLONG,
-                    NO_TRAINABLE_TOKENS, IMAGE_COUNT_MISMATCH, MISPLACED_IMAGE, MISSING_IMAGE, UNREADABLE_IMAGE,
+                    NO_TRAINABLE_TOKENS, INVALID_TOOLS, INVALID_TOOL_CALL, INVALID_TOOL_ARGUMENTS, UNKNOWN_TOOL,
+                    ORPHAN_TOOL_RESULT, INVALID_TRAIN_FLAG, IMAGE_COUNT_MISMATCH, MISPLACED_IMAGE, MISSING_IMAGE, UNREADABLE_IMAGE,
                     IMAGE_SIZE)
 
 # A streamed dataset read for a packed block stream keeps its bad rows, each flagged with its drop
@@ -79,6 +95,10 @@ def messages_problem(messages: Any) -> str | None:
             return problem
         if message["role"] not in KNOWN_ROLES:
             return UNKNOWN_ROLE
+        if message.get("train") not in (None, True, False) or message.get("weight") not in (None, 0, 1):
+            return INVALID_TRAIN_FLAG
+        if message["role"] == "assistant" and message.get("tool_calls") is not None and message.get("content") is None:
+            continue  # a reply that only calls tools (the calls are checked by `tools.tool_problem`)
         # An empty question is a broken row; an empty system prompt or reply is not (OPTIONAL_CONTENT_ROLES).
         problem = text_problem(message.get("content"), required=message["role"] not in OPTIONAL_CONTENT_ROLES)
         if problem or message.get("content") is None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from datasets import Dataset, IterableDataset, load_dataset
 
-from sft_recipes.data.formats import FORMATS
+from sft_recipes.data.formats import FORMATS, DatasetFormat
 from sft_recipes.data.report import EXCERPT_CHARS, DataReport
 from sft_recipes.data.rows import INVALID_JSON, NOT_UTF8, ROW_PROBLEM
 from sft_recipes.errors import RecipeError
@@ -236,9 +236,9 @@ class StreamedRowCheck:
     row it checks in `STREAM_READS[source]`.
     """
 
-    def __init__(self, source: str, dataset_format: str) -> None:
+    def __init__(self, source: str, fmt: DatasetFormat) -> None:
         self.source = source
-        self.dataset_format = dataset_format
+        self.fmt = fmt
         self.dropped: Counter = Counter()
 
     def problem(self, row: dict[str, Any] | None, where: str, line: str | None = None,
@@ -246,7 +246,7 @@ class StreamedRowCheck:
         """Why the row is dropped (counted, and shown if it is the 1st, 10th, 100th... of its reason), or None.
 
         A row of None is a line that could not be read, for `line_problem`."""
-        problem = line_problem if row is None else FORMATS[self.dataset_format].row_problem(row)
+        problem = line_problem if row is None else self.fmt.row_problem(row)
         read = STREAM_READS.setdefault(self.source, Counter())  # looked up each time: training starts it afresh
         read[ROWS_READ] += 1
         if problem is None:
@@ -267,16 +267,20 @@ class StreamedRowCheck:
         return {ROW_PROBLEM: self.problem(row, "a row")}
 
 
-def _valid_jsonl_rows(path: str, dataset_format: str, mark_bad_rows: bool = False) -> Iterator[dict[str, Any]]:
+def _valid_jsonl_rows(path: str, dataset_format: str, mark_bad_rows: bool = False, mapping: dict | None = None
+                      ) -> Iterator[dict[str, Any]]:
     """The rows of a local .jsonl that a streamed run can train on; bad lines are skipped (or, with
     `mark_bad_rows`, yielded empty with their reason in ROW_PROBLEM), not fatal."""
-    columns = FORMATS[dataset_format].columns
-    check = StreamedRowCheck(path, dataset_format)
+    fmt = FORMATS[dataset_format].with_mapping(mapping) if mapping else FORMATS[dataset_format]
+    # As a map-style read stores them (the held-out hash sees the same row); image rows stay as read here.
+    columns = fmt.columns if fmt.vision else fmt.stored_columns
+    check = StreamedRowCheck(path, fmt)
     for line in read_jsonl(Path(path)):
         row = line.row
         problem = check.problem(row, f"line {line.number}", line.text, line.problem)
         if problem is None:
-            yield {column: row.get(column) for column in columns} | ({ROW_PROBLEM: None} if mark_bad_rows else {})
+            good = {column: row.get(column) for column in columns} if fmt.vision else fmt.stored_row(row)
+            yield good | ({ROW_PROBLEM: None} if mark_bad_rows else {})
         elif mark_bad_rows:  # its values stay behind: a wrongly typed one would break Arrow
             yield dict.fromkeys(columns) | {ROW_PROBLEM: problem}
 
@@ -289,15 +293,22 @@ def without_marked_rows(rows: IterableDataset) -> IterableDataset:
 def _streamed_jsonl(path: Path, data_args, mark_bad_rows: bool) -> tuple[IterableDataset, DataReport]:
     # `datasets`' json builder fails the whole stream on one bad line; read it line by line instead.
     dataset = IterableDataset.from_generator(_valid_jsonl_rows, gen_kwargs={
-        "path": str(path), "dataset_format": data_args.dataset_format, "mark_bad_rows": mark_bad_rows})
+        "path": str(path), "dataset_format": data_args.dataset_format, "mark_bad_rows": mark_bad_rows,
+        "mapping": getattr(data_args, "dataset_mapping", None)})
     if data_args.max_train_samples is not None:
         dataset = dataset.take(data_args.max_train_samples)
     report = DataReport(source=str(path), streamed=True, stream_key=str(path))
     return dataset, report
 
 
+def source_format(data_args) -> DatasetFormat:
+    """The format a source's rows are read with: its dataset_format, with the source's `mapping` if it has one."""
+    mapping = getattr(data_args, "dataset_mapping", None)
+    return FORMATS[data_args.dataset_format].with_mapping(mapping) if mapping else FORMATS[data_args.dataset_format]
+
+
 def _checked_jsonl(path: Path, data_args) -> tuple[Dataset, DataReport]:
-    fmt = FORMATS[data_args.dataset_format]
+    fmt = source_format(data_args)
     report = DataReport(source=str(path))
     rows, seen_columns = [], set()
     for line in read_jsonl(path):
@@ -335,13 +346,17 @@ def load_checked_dataset(data_args, mark_bad_rows: bool = False) -> tuple[Datase
             return _streamed_jsonl(local, data_args, mark_bad_rows)
         return _checked_jsonl(local, data_args)
     dataset = load_raw_dataset(data_args)
-    fmt = FORMATS[data_args.dataset_format]
+    fmt = source_format(data_args)
     fmt.check_columns(dataset.column_names, data_args.dataset_name)
     report = DataReport(source=data_args.dataset_name)
     if isinstance(dataset, IterableDataset):
         report.streamed, report.stream_key = True, data_args.dataset_name
-        check = StreamedRowCheck(data_args.dataset_name, fmt.name)
-        return (dataset.map(check.mark) if mark_bad_rows else dataset.filter(check)), report
+        check = StreamedRowCheck(data_args.dataset_name, fmt)
+        rows = dataset.map(check.mark) if mark_bad_rows else dataset.filter(check)
+        if fmt.converts_to_messages:  # a bad row (marked) becomes no conversation
+            rows = rows.map(lambda row: fmt.stored_row(row) if not row.get(ROW_PROBLEM) else {"messages": []},
+                            remove_columns=[c for c in (dataset.column_names or fmt.columns) if c != "messages"])
+        return rows, report
     problems = [fmt.row_problem(row) for row in dataset]
     report.rows = len(problems)
     for index, problem in enumerate(problems):
@@ -349,6 +364,8 @@ def load_checked_dataset(data_args, mark_bad_rows: bool = False) -> tuple[Datase
             report.drop(problem, f"row {index}", dataset[index])
     if report.dropped:
         dataset = dataset.select([index for index, problem in enumerate(problems) if problem is None])
+    if fmt.converts_to_messages:
+        dataset = dataset.map(fmt.stored_row, remove_columns=dataset.column_names, desc=f"Reading {fmt.name} rows")
     return dataset, report
 
 
@@ -369,6 +386,7 @@ class DatasetSource:
     columns: list[str] | None = None
     fraction: float | None = None
     revision: str | None = None
+    mapping: dict[str, str] | None = None  # sharegpt: other column, key and role names (LLaMA-Factory's columns/tags)
 
     @property
     def label(self) -> str:
@@ -381,7 +399,7 @@ class DatasetSource:
             dataset_name=self.path, dataset_config=self.name, dataset_train_split=self.split,
             dataset_revision=self.revision, dataset_format=self.dataset_format, dataset_streaming=streaming,
             max_train_samples=max_rows, dataset_data_dir=self.data_dir, dataset_data_files=self.data_files,
-            dataset_columns=self.columns,
+            dataset_columns=self.columns, dataset_mapping=self.mapping,
         )
 
 
@@ -397,6 +415,7 @@ class SourceArguments:
     dataset_data_dir: str | None
     dataset_data_files: Any
     dataset_columns: list[str] | None
+    dataset_mapping: dict[str, str] | None = None
 
 
 SOURCE_KEYS = tuple(f.name for f in dataclasses.fields(DatasetSource))
@@ -437,6 +456,8 @@ def parse_sources(entries: Any, key: str, default_format: str) -> list[DatasetSo
         if columns is not None and not (isinstance(columns, list) and all(isinstance(c, str) for c in columns)):
             problems.append(f"{where}: columns must be a list of column names, got {columns!r}: write e.g. "
                             "columns: [messages]")
+        if values["dataset_format"] in FORMATS:
+            problems += FORMATS[values["dataset_format"]].mapping_problems(values.get("mapping"), where)
         if not problems:
             sources.append(DatasetSource(**values))
     given = [entry.get("fraction") is not None for entry in entries if isinstance(entry, dict)]

@@ -63,6 +63,8 @@ def user_turn(row: dict[str, Any], dataset_format: str) -> Prompt | None:
         return row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
     if dataset_format == "text":
         return None
+    if dataset_format == "prompt_completion":  # TRL's prompt strings, asked as plain text
+        return row.get("prompt") or None
     return next((m["content"] for m in row.get("messages") or [] if m.get("role") == "user" and m.get("content")), None)
 
 
@@ -96,12 +98,15 @@ PROMPT_STYLES = {"chat": "chat template", "alpaca": "alpaca prompt `### Instruct
 
 
 def prompt_style(data_args) -> str:
-    """The prompt format the run trains: "alpaca" or "text" when every training source has that format, else
+    """The prompt format the run trains: "alpaca" or "text" (text or prompt_completion) when every training source
+    has that format, else
     "chat" (chat formats, alpaca_chat, or a mixture of styles: the chat template is the instruct model's own)."""
     from sft_recipes.data.mixture import training_sources
 
-    formats = {source.dataset_format for source in training_sources(data_args)}
-    return formats.pop() if formats in ({"alpaca"}, {"text"}) else "chat"
+    # prompt_completion strings are a prompt continued as plain text, as `text` rows are
+    styles = {"alpaca": "alpaca", "text": "text", "prompt_completion": "text"}
+    kinds = {styles.get(source.dataset_format, "chat") for source in training_sources(data_args)}
+    return kinds.pop() if len(kinds) == 1 else "chat"
 
 
 def sample_settings(recipe) -> dict[str, Any]:
