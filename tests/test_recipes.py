@@ -11,7 +11,8 @@ from sft_recipes.batching import derive_gradient_accumulation
 from sft_recipes.config import load_recipe
 
 RECIPES = sorted((REPO_ROOT / "recipes").rglob("*.yaml"))
-ACCELERATE_CONFIGS = sorted((REPO_ROOT / "accelerate_configs").glob("*.yaml"))
+ONE_PROCESS_CONFIG = REPO_ROOT / "accelerate_configs" / "cpu_1process.yaml"  # train() in a plain Python session
+ACCELERATE_CONFIGS = sorted(set((REPO_ROOT / "accelerate_configs").glob("*.yaml")) - {ONE_PROCESS_CONFIG})
 TWINS = sorted((REPO_ROOT / "recipes" / "tiny").glob("*.yaml"))
 # What a tiny CPU twin may change: the model, the data, the sizes, and what CPU hardware forces.
 # The twins' sample data has no held-out split, so a twin may leave out its big recipe's eval (exercised on CPU by
@@ -87,6 +88,12 @@ def test_accelerate_config_is_fsdp2_per_decoder_layer(path):
     assert fsdp["fsdp_activation_checkpointing"] is True
     assert fsdp["fsdp_offload_params"] is False
     assert config.num_processes % config.num_machines == 0
+
+
+def test_one_process_config_is_one_cpu_process_without_fsdp():
+    config = ClusterConfig.from_yaml_file(str(ONE_PROCESS_CONFIG))
+    assert (config.distributed_type.value, config.num_processes, config.num_machines, config.use_cpu) == (
+        "NO", 1, 1, True)
 
 
 def test_multinode_config_is_two_nodes_of_eight():

@@ -6,6 +6,10 @@ itself loads nothing heavy.
 
 
 def __getattr__(name: str):
+    if name == "RecipeError":  # what train() raises, for `except RecipeError` in a notebook
+        from sft_recipes.errors import RecipeError
+
+        return RecipeError
     if name in ("train", "RunResult"):
         from sft_recipes.environment import set_runtime_defaults
 

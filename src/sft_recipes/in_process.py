@@ -74,7 +74,8 @@ def accelerate_launch_environment(config_file: str | os.PathLike, world_size: in
     if config.num_processes != world_size:
         problems.append(f"{config.name} launches {config.num_processes} processes (num_processes) but train() runs in "
                         f"a world of {world_size} (WORLD_SIZE): start {config.num_processes} processes (e.g. "
-                        f"gpus={config.num_processes}), or pass the accelerate config made for {world_size}")
+                        f"gpus={config.num_processes}), or pass the accelerate config made for {world_size}"
+                        + (" (accelerate_configs/cpu_1process.yaml for one process)" if world_size == 1 else ""))
     if config.get("distributed_type") == "DEEPSPEED":
         problems.append(f"{config.name} is a DeepSpeed config: these recipes train with FSDP2 (accelerate_configs/)")
     if problems:
