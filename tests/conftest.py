@@ -160,8 +160,9 @@ def no_launch_environment_left_behind():
 AREAS = {
     "data": ("alpaca_chat", "audit", "blocks", "data_validation", "formats", "masking", "masking_real_tokenizers",
              "mixture", "packing", "packing_equivalence", "reasoning", "sample_data", "stream_drops", "vision",
-             "tiny"),
-    "planner": ("plan", "planner_communication", "dry_run", "hsdp_layout", "lint", "benchmarks_smoke"),
+             "tiny", "passes", "packed_passes_runs", "tools", "turns", "dataset_shapes"),
+    "planner": ("plan", "planner_communication", "dry_run", "hsdp_layout", "lint", "benchmarks_smoke", "planner_package",
+                "planner_advice"),
     "distributed": ("distributed", "fsdp_cpu", "fsdp_wrap", "global_token_loss", "gptoss_fsdp", "hsdp",
                     "micro_batch_gradients", "qwen_fsdp", "sequence_parallel", "sequence_parallel_runs", "lora",
                     "merge", "mxfp4", "eval_loss", "vision_runs", "in_process", "launch"),
@@ -170,7 +171,7 @@ AREAS = {
     "reporting": ("console", "export_check", "metrics", "reporting", "samples_chat", "summary", "vision_samples",
                   "smollm2"),
     "entry": ("config", "recipes", "readme_commands", "notebooks", "python_api", "parameters_file",
-              "workload_check", "workload_global_batch", "workload_runs", "suite_layout"),
+              "workload_check", "workload_global_batch", "workload_runs", "suite_layout", "one_process_api"),
 }
 AREA_OF_FILE = {f"test_{name}.py": area for area, names in AREAS.items() for name in names}
 

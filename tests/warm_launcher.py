@@ -72,7 +72,7 @@ def preload() -> None:
     import sft_recipes.config  # noqa: F401
     import sft_recipes.run  # noqa: F401
     import sft_recipes.python_api  # noqa: F401
-    from sft_recipes.plan import plan_dry_run  # noqa: F401
+    from sft_recipes.planner.dry_run import plan_dry_run  # noqa: F401
 
 
 def serve(socket_path: str) -> None:
