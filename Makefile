@@ -95,7 +95,7 @@ chat: setup
 	$(PY) scripts/chat.py $(or $(OUT),$(DEMO_DIR)) $(ARGS)
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --durations=25
 
 test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests -m "not fsdp"
