@@ -34,7 +34,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     store = root / "mlflow.db"
     env = {"HF_TOKEN": FAKE_TOKEN, "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
-    two = launch_sft(TINY_LLAMA_RECIPE, *COMMON, "--output_dir", str(root / "two"), env=env)
+    # make demo's command through the real `accelerate launch` (docs/testing.md: which tests use which launcher)
+    two = launch_sft(TINY_LLAMA_RECIPE, *COMMON, "--output_dir", str(root / "two"), env=env, launcher="real")
 
     # Same global batch (4 x 2 accumulation x 2 ranks = 16) in one plain process.
     single_cmd = [bin_path("python"), "scripts/sft.py", str(TINY_LLAMA_RECIPE), *COMMON,
