@@ -6,6 +6,7 @@
     .venv/bin/python scripts/chat.py outputs/lora --base_model path/to/base      # adapter onto another copy of its base
     .venv/bin/python scripts/chat.py outputs/vision --image cat.png --prompt "What is in the picture?"  # a VLM export
     .venv/bin/python scripts/chat.py outputs/tools --tools tools.json --prompt "Area of a 10 x 5 triangle?"
+    .venv/bin/python scripts/chat.py outputs/demo --system "Answer in one word." --prompt "Capital of France?"
 
 --tools FILE: a JSON list of function schemas ({type: function, function: {name, description, parameters}} or
 the bare {name, description, parameters}), given to the chat template as `tools=`, as a tool row's `tools`
@@ -58,7 +59,13 @@ def read_tools(path: str) -> list[dict]:
     return tools
 
 
-def image_prompt_inputs(output_dir: str, model, tokenizer, prompt: str, image_paths: list[str]) -> dict:
+def opening(system: str | None) -> list[dict]:
+    """A conversation's first messages: the --system prompt, as a row's system message is in training."""
+    return [{"role": "system", "content": system}] if system else []
+
+
+def image_prompt_inputs(output_dir: str, model, tokenizer, prompt: str, image_paths: list[str],
+                        system: str | None = None) -> dict:
     """The question with its images placed before it, as vision_messages rows are trained."""
     from transformers import AutoImageProcessor
 
@@ -72,7 +79,7 @@ def image_prompt_inputs(output_dir: str, model, tokenizer, prompt: str, image_pa
         raise ValueError(f"cannot read {', '.join(problems)}; give PNG/JPEG files.")
     processing = VisionProcessing(tokenizer, AutoImageProcessor.from_pretrained(output_dir, backend="pil"),
                                   model.config)
-    conversation = [{"role": "user", "content": IMAGE_PLACEHOLDER * len(images) + prompt}]
+    conversation = [*opening(system), {"role": "user", "content": IMAGE_PLACEHOLDER * len(images) + prompt}]
     return processing.prompt_inputs(conversation, images)
 
 
@@ -85,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base_model", help="for an adapter: load it onto this base instead of the one it names")
     parser.add_argument("--image", action="append", default=[],
                         help="with --prompt: an image the question is about (a VLM export; repeat for several)")
+    parser.add_argument("--system", help="a system prompt to open every conversation with (as your rows' system turn)")
     parser.add_argument("--tools", help="a JSON file with the function schemas the model may call (chat template tools=)")
     args = parser.parse_args(argv)
     try:
@@ -100,17 +108,17 @@ def main(argv: list[str] | None = None) -> int:
             print("error: --image answers one question about it: give --prompt too", file=sys.stderr)
             return 2
         try:
-            inputs = image_prompt_inputs(args.output_dir, model, tokenizer, args.prompt, args.image)
+            inputs = image_prompt_inputs(args.output_dir, model, tokenizer, args.prompt, args.image, args.system)
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
         answer(model, tokenizer, [], args.max_new_tokens, args.temperature, inputs=inputs)
         return 0
     if args.prompt is not None:
-        answer(model, tokenizer, [{"role": "user", "content": args.prompt}], args.max_new_tokens, args.temperature,
-               tools=tools)
+        answer(model, tokenizer, [*opening(args.system), {"role": "user", "content": args.prompt}],
+               args.max_new_tokens, args.temperature, tools=tools)
         return 0
-    conversation: list[dict] = []
+    conversation = opening(args.system)
     while True:
         try:
             message = input("\nyou> ").strip()

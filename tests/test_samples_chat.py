@@ -257,3 +257,26 @@ def test_chat_gives_the_tools_file_to_the_template(tiny_llama, tmp_path, capsys,
     assert chat.main([path, "--tools", str(tmp_path / "bad.json"), "--prompt", "Area?"]) == 2
     assert capsys.readouterr().err.startswith(f"error: --tools {tmp_path / 'bad.json'}: the tools are not a list of "
                                               "JSON schemas; give a JSON list of function schemas")
+
+
+def test_chat_opens_with_the_system_prompt_once_and_interactively(tiny_llama, capsys, monkeypatch):
+    path, model, tokenizer = tiny_llama
+    prompts = []
+    real_generate = type(model).generate
+
+    def generate(self, **kwargs):
+        prompts.append(tokenizer.decode(kwargs["input_ids"][0]))
+        return real_generate(self, **kwargs)
+
+    monkeypatch.setattr(type(model), "generate", generate)
+    chat = load_chat_script()
+    system = {"role": "system", "content": "Answer in one word."}
+    assert chat.main([path, "--system", system["content"], "--prompt", "Capital?", "--max_new_tokens", "2"]) == 0
+    assert prompts == [tokenizer.apply_chat_template([system, {"role": "user", "content": "Capital?"}],
+                                                     add_generation_prompt=True, tokenize=False)]
+    assert "Answer in one word." in prompts[0]
+    typed = iter(["hello", "again", ""])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(typed))
+    assert chat.main([path, "--system", system["content"], "--max_new_tokens", "2"]) == 0
+    assert [prompt.count("Answer in one word.") for prompt in prompts[1:]] == [1, 1]  # once, at the start of each turn
+    capsys.readouterr()
