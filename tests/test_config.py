@@ -45,6 +45,7 @@ def test_unknown_key_names_the_closest_valid_keys(tmp_path):
     assert "unknown key 'learnig_rate'; did you mean 'learning_rate'" in message
     assert "unknown key 'per_device_batch_size'; did you mean" in message
     assert "'per_device_train_batch_size'" in message.split("per_device_batch_size")[1]
+    assert "?." not in message  # the last 'did you mean ...?' ends its own sentence
 
 
 @pytest.mark.parametrize(

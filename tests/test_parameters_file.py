@@ -126,14 +126,18 @@ def test_summary_and_mlflow_tags_record_the_overrides():
 @pytest.mark.parametrize("content, expected", [
     ({"max_stepz": 5}, "unknown key 'max_stepz' (set in HYPERPARAMETERS_PATH={path}); did you mean 'max_steps'"),
     (None, "HYPERPARAMETERS_PATH={path} names no file"),
+    ("max_steps: [5\n", "HYPERPARAMETERS_PATH={path} is not valid YAML: while parsing a flow sequence"),
 ])
 def test_scripts_sft_refuses_at_parse_with_one_line_and_exit_2(tmp_path, content, expected):
     path = tmp_path / "parameters.yaml"
     if content is not None:
-        path.write_text(yaml.safe_dump(content))
+        path.write_text(content if isinstance(content, str) else yaml.safe_dump(content))
     result = run_command([bin_path("python"), "scripts/sft.py", str(TINY_LLAMA_RECIPE), "--max_steps", "1",
                           "--output_dir", str(tmp_path / "out")], env={PARAMETERS_ENV: str(path)}, timeout=120)
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and expected.format(path=path) in errors[0], result.stderr[-3000:]
+    assert errors[0].endswith("Fix the YAML at the line and column named (one `key: value` per line).") \
+        or "is not valid YAML" not in errors[0]
+    assert "column" not in result.stderr.replace(errors[0], "")  # PyYAML's report is in the line, not below it
     assert not (tmp_path / "out").exists()  # refused before anything was written

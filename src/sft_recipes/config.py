@@ -383,15 +383,20 @@ def read_recipe_file(path: str | os.PathLike) -> dict[str, Any]:
         nearby = sorted(p.as_posix() for p in Path("recipes").rglob("*.yaml")) if Path("recipes").is_dir() else []
         hint = f": one of {', '.join(nearby)}" if nearby else ", e.g. recipes/tiny/llama8b.yaml"
         raise RecipeError(f"Recipe file not found: {path}. Pass the path of a recipe YAML{hint}.")
-    try:
-        values = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise RecipeError(f"{path} is not valid YAML: {' '.join(str(err).split())}. Fix the YAML at the line and column "
-                          "named (one `key: value` per line).") from None
+    values = _read_yaml(path, str(path)) or {}
     if not isinstance(values, dict):
         raise RecipeError(f"{path} must be a mapping of key: value, got {type(values).__name__}: write one "
                           "`key: value` per line, as in recipes/tiny/llama8b.yaml.")
     return values
+
+
+def _read_yaml(path: Path, origin: str) -> Any:
+    """A YAML file's values; a syntax error is one refusal naming where it is (PyYAML's report on one line)."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{origin} is not valid YAML: {' '.join(str(err).split())}. Fix the YAML at the line and "
+                          "column named (one `key: value` per line).") from None
 
 
 def read_parameters_file() -> tuple[dict[str, Any], str | None]:
@@ -403,10 +408,7 @@ def read_parameters_file() -> tuple[dict[str, Any], str | None]:
     if not Path(path).is_file():
         raise RecipeError(f"{origin} names no file: point it at the YAML of the workload's `parameters:` block, "
                           f"or unset {PARAMETERS_ENV}.")
-    try:
-        values = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as err:
-        raise RecipeError(f"{origin} is not valid YAML: {err}") from None
+    values = _read_yaml(Path(path), origin)
     if values is None:  # an empty `parameters:` block
         return {}, origin
     if not isinstance(values, dict):
@@ -484,7 +486,9 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
         else:
             problems += [problem + origin for problem in range_problems({key: kwargs[owners[key][0]][key]})]
     if problems:
-        raise RecipeError(f"{path}: " + "; ".join(problems) + f". Fix these in {path} or in the --key overrides.")
+        listed = "; ".join(problems)
+        end = "" if listed.endswith("?") else "."  # a last problem that asks 'did you mean ...?' ends its sentence
+        raise RecipeError(f"{path}: {listed}{end} Fix these in {path} or in the --key overrides.")
 
     if planning and "use_cpu" not in values:
         kwargs[TrainingArguments]["use_cpu"] = True
