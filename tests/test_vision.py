@@ -9,6 +9,8 @@ show the comparison catches those leaks, and the preflight refuses a packing tha
 
 import io
 import os
+import struct
+import zlib
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from sft_recipes.data.vision import (
     VisionProcessing,
     check_images,
     flatten_parts,
+    open_image,
     vision_row_problem,
 )
 from sft_recipes.errors import RecipeError
@@ -83,6 +86,23 @@ def test_parts_flatten_to_the_placeholder_qwen_templates_write():
 ])
 def test_row_rules(row, reason):
     assert vision_row_problem(row) == reason
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header says width x height (1-bit grey) and whose pixel data is a token: opened, never decoded."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0")) + chunk(b"IEND", b"")
+
+
+def test_an_image_over_the_pixel_limit_is_image_size_not_unreadable(tmp_path):
+    """20000 x 10000 = 200M pixels: PIL itself refuses to open it (DecompressionBombError), as docs/vision.md says."""
+    (tmp_path / "huge.png").write_bytes(png_header_only(20_000, 10_000))
+    (tmp_path / "wide.png").write_bytes(png_header_only(13_000, 13_000))  # 169M: under the limit, opens
+    assert open_image({"bytes": None, "path": str(tmp_path / "huge.png")}, decode=False) == "image_size"
+    assert open_image({"bytes": None, "path": str(tmp_path / "wide.png")}, decode=False) != "image_size"
 
 
 def test_image_files_are_checked_and_counted(tmp_path):

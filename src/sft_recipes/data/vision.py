@@ -157,7 +157,9 @@ def open_image(record: dict[str, Any], decode: bool = True) -> Image.Image | str
                 image.verify()  # reads the file through (PNG: chunk CRCs) without decoding it
                 return None
             return image.convert("RGB")  # decodes every pixel: a truncated file fails here
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+    except Image.DecompressionBombError:  # PIL refuses to open more than MAX_IMAGE_PIXELS: a size, not a corrupt file
+        return IMAGE_SIZE
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
         return UNREADABLE_IMAGE
 
 
