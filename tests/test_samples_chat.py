@@ -233,11 +233,8 @@ def test_chat_refuses_a_folder_without_an_export(tmp_path, capsys):
     assert "holds no exported model (no config.json, no adapter_config.json)" in capsys.readouterr().err
 
 
-def test_chat_gives_the_tools_file_to_the_template(tiny_llama, tmp_path, capsys, monkeypatch):
-    path, model, tokenizer = tiny_llama
-    schema = {"name": "calculate_triangle_area", "description": "Calculate the area of a triangle.",
-              "parameters": {"type": "object", "properties": {"base": {"type": "integer"}}, "required": ["base"]}}
-    (tmp_path / "tools.json").write_text(json.dumps([schema]))
+def prompts_chat_generates_from(model, tokenizer, monkeypatch) -> list[str]:
+    """The decoded prompt of every `generate` call chat.py makes from now on (appended as they come)."""
     prompts = []
     real_generate = type(model).generate
 
@@ -246,6 +243,15 @@ def test_chat_gives_the_tools_file_to_the_template(tiny_llama, tmp_path, capsys,
         return real_generate(self, **kwargs)
 
     monkeypatch.setattr(type(model), "generate", generate)
+    return prompts
+
+
+def test_chat_gives_the_tools_file_to_the_template(tiny_llama, tmp_path, capsys, monkeypatch):
+    path, model, tokenizer = tiny_llama
+    schema = {"name": "calculate_triangle_area", "description": "Calculate the area of a triangle.",
+              "parameters": {"type": "object", "properties": {"base": {"type": "integer"}}, "required": ["base"]}}
+    (tmp_path / "tools.json").write_text(json.dumps([schema]))
+    prompts = prompts_chat_generates_from(model, tokenizer, monkeypatch)
     chat = load_chat_script()
     assert chat.main([path, "--tools", str(tmp_path / "tools.json"), "--prompt", "Area?", "--max_new_tokens", "2"]) == 0
     tools = [{"type": "function", "function": schema}]
@@ -261,14 +267,7 @@ def test_chat_gives_the_tools_file_to_the_template(tiny_llama, tmp_path, capsys,
 
 def test_chat_opens_with_the_system_prompt_once_and_interactively(tiny_llama, capsys, monkeypatch):
     path, model, tokenizer = tiny_llama
-    prompts = []
-    real_generate = type(model).generate
-
-    def generate(self, **kwargs):
-        prompts.append(tokenizer.decode(kwargs["input_ids"][0]))
-        return real_generate(self, **kwargs)
-
-    monkeypatch.setattr(type(model), "generate", generate)
+    prompts = prompts_chat_generates_from(model, tokenizer, monkeypatch)
     chat = load_chat_script()
     system = {"role": "system", "content": "Answer in one word."}
     assert chat.main([path, "--system", system["content"], "--prompt", "Capital?", "--max_new_tokens", "2"]) == 0
