@@ -187,6 +187,11 @@ class TrainingArguments(SFTConfig):
         default="float32",
         metadata={"help": "Gradient reduce-scatter dtype under FSDP2 mixed precision (fp32 keeps small updates)."},
     )
+    fp8: bool = field(
+        default=False,
+        metadata={"help": "Train the text decoder layers' Linear layers in float8 (torchao; emulated on CPU; GPUs of "
+                  "compute capability 8.9+). Embeddings, LM head and MoE routers stay in the compute dtype."},
+    )
     plan_memory_headroom_gib: float = field(
         default=2.0,
         metadata={"help": "--dry-run: GiB per GPU a suggested layout must leave free beyond the plan's own CUDA and "

@@ -75,7 +75,9 @@ def destroy_process_groups() -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     for candidate in gc.get_objects():  # meshes are reachable only through torch's caches: find them all
-        if isinstance(candidate, DeviceMesh):
+        # type(), not isinstance(): DeviceMesh's metaclass (torch._opaque_base) inspects the object, and after
+        # torch.compile gc holds weakref proxies whose referent is gone (ReferenceError on any attribute)
+        if issubclass(type(candidate), DeviceMesh):
             getattr(candidate, "_pg_registry", {}).clear()
     gc.collect()
 

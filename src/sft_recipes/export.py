@@ -147,6 +147,8 @@ def verify_adapter_export(
 def trained_compute_dtype(trainer) -> torch.dtype:
     """The precision the trained model computes its logits in: mixed precision's (bf16/fp16 autocast), else its weights'."""
     args = getattr(trainer, "args", None)
+    if getattr(args, "fp8", False):  # sft_recipes.fp8: the decoder's matmuls round through float8
+        return torch.float8_e4m3fn
     if getattr(args, "bf16", False):
         return torch.bfloat16
     if getattr(args, "fp16", False):

@@ -22,6 +22,7 @@ from sft_recipes.config import Recipe, RecipeError
 from sft_recipes.data.formats import CHAT_FORMATS
 from sft_recipes.data.mixture import has_images, is_streamed
 from sft_recipes.distributed import launch_flag, launched_world_size
+from sft_recipes.fp8 import fp8_problem
 
 
 @dataclass
@@ -275,6 +276,22 @@ def activation_offloading_without_accelerator(recipe: Recipe, ctx: LintContext) 
     return None
 
 
+def torch_compile_settings_we_do_not_run(recipe: Recipe, ctx: LintContext) -> str | None:
+    # transformers turns torch_compile on for either key and hands both to accelerate's whole-model compile;
+    # sft_recipes.compile compiles each decoder layer with inductor's default mode instead, and would drop them.
+    set_keys = [key for key in ("torch_compile_backend", "torch_compile_mode")
+                if recipe.values.get(key) not in (None, "inductor" if key == "torch_compile_backend" else None)]
+    if not set_keys:
+        return None
+    return (f"{' and '.join(set_keys)} set ({_set_where(recipe, set_keys[0])}): this project compiles each decoder layer "
+            "with inductor's default mode (torch_compile: true, docs/compile.md) and cannot run another backend or "
+            f"mode; remove {', '.join(set_keys)} and set torch_compile: true")
+
+
+def fp8_this_machine_cannot_train(recipe: Recipe, ctx: LintContext) -> str | None:
+    return fp8_problem(recipe.model.use_peft) if recipe.training.fp8 else None
+
+
 RULES = (
     activation_checkpointing_twice,
     trl_packing_with_block_packing,
@@ -298,6 +315,8 @@ RULES = (
     sequence_parallel_without_global_token_count,
     parallelism_config_these_recipes_cannot_run,
     activation_offloading_without_accelerator,
+    torch_compile_settings_we_do_not_run,
+    fp8_this_machine_cannot_train,
 )
 
 

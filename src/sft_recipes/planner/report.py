@@ -177,6 +177,8 @@ def format_plan(plan: Plan) -> str:
             f"{m.activation_bytes_per_token_full:,.0f} B/token without; this run "
             f"{'checkpoints' if s.activation_checkpointing else 'does not checkpoint'}, "
             f"{s.attn_implementation} attention{offloaded}"),
+        row("torch.compile", "on: each decoder layer compiled before FSDP2 wrapping (memory and time estimated as "
+            "eager)" if s.torch_compile else "off"),
         row("loss", f"{s.loss_implementation} ({loss[s.loss_implementation]})"),
         f"  memory per GPU (GiB), at the peak: {m.peak_at}",
         *(f"    {name:<18}{getattr(m, name):>9.2f}" for name in (*MemoryEstimate.COMPONENTS, "total")),

@@ -47,6 +47,7 @@ class TrainingSetup:
     activation_offloading: bool = False  # TRL's saved-tensor hooks: activations wait for backward on the host
     eval_micro_batch_size: int | None = None  # sequences per device per eval forward; None: the run does not evaluate
     replicate_size: int = 1  # HSDP: parameters sharded over world_size / replicate_size ranks, replicated this often
+    torch_compile: bool = False  # each decoder layer compiled before FSDP2 wrapping (sft_recipes.compile); not in the estimates
 
     def __post_init__(self) -> None:
         for name in ("world_size", "micro_batch_size", "seq_len", "gradient_accumulation_steps",
@@ -118,6 +119,7 @@ def training_setup(recipe: Recipe, accelerate_config: AccelerateConfig | None, w
         eval_micro_batch_size=t.per_device_eval_batch_size if recipe.data.eval_datasets or recipe.data.test_split_size
         else None,
         replicate_size=replicate_size,
+        torch_compile=t.torch_compile,
     )
 
 

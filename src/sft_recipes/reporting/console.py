@@ -59,7 +59,8 @@ def _duration(seconds: float) -> str:
 # What a step line shows of a training log, in order (the rest goes to MLflow only).
 STEP_FIELDS = (("learning_rate", "lr {:.2e}"), ("grad_norm", "grad norm {:.3g}"),
                ("tokens_per_second_per_device", "{:,.0f} tokens/s/device"), ("mfu", "MFU {:.1%}"),
-               ("packing_efficiency", "packing {:.1%}"), ("peak_memory_gib", "peak {:.2f} GiB"))
+               ("packing_efficiency", "packing {:.1%}"), ("peak_memory_gib", "peak {:.2f} GiB"),
+               ("compiled_graphs", "compiled graphs {:.0f}"))  # torch_compile: sft_recipes.compile
 
 
 def step_line(logs: dict, step: int, max_steps: int, last_eval: tuple[int, float] | None = None,

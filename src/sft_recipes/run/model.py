@@ -11,6 +11,9 @@ from sft_recipes.architectures import check_packing_leak, freeze_vision_tower, p
 from sft_recipes.architectures.preflight import check_image_packing_leak
 from sft_recipes.architectures.qwen3_5 import prepare_for_image_packing
 from sft_recipes.architectures.sequence_parallel import enable_sequence_parallel
+from sft_recipes.compile import compile_decoder_layers
+from sft_recipes.distributed import fsdp_requested
+from sft_recipes.fp8 import convert_to_fp8_training
 from sft_recipes.fsdp_wrap import group_output_head_with_final_norm, guard_lora_fsdp_layout, pin_fsdp_wrap_classes
 from sft_recipes.lora import apply_lora, build_lora_config
 from sft_recipes.run.setup import Run
@@ -23,6 +26,7 @@ class RunModel:
     model: torch.nn.Module
     lora_config: object | None  # the peft LoraConfig applied, built once; None for full fine-tuning
     wrap_classes: list[str]  # the FSDP2 unit classes, from the model itself
+    compiled_layers: int = 0  # `torch_compile`: the FSDP2 units compiled in place (0: eager)
 
 
 def build_model(run: Run) -> RunModel:
@@ -51,4 +55,8 @@ def build_model(run: Run) -> RunModel:
     if lora_config is not None:
         model = apply_lora(model, lora_config, seed=training.seed)  # logs the ranks really applied
         guard_lora_fsdp_layout(model, wrap_classes)  # at the first step: LoRA sharded with its decoder layer
-    return RunModel(model=model, lora_config=lora_config, wrap_classes=wrap_classes)
+    if training.fp8:  # before compile (traced as float8) and fully_shard, as torchtitan orders them
+        convert_to_fp8_training(model, fsdp=fsdp_requested())
+    # After LoRA (traced with its layers), before accelerate's activation checkpointing and fully_shard
+    compiled = compile_decoder_layers(model, wrap_classes) if run.compiles_layers else 0
+    return RunModel(model=model, lora_config=lora_config, wrap_classes=wrap_classes, compiled_layers=compiled)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from sft_recipes.batching import derive_gradient_accumulation
+from sft_recipes.compile import take_over_torch_compile
 from sft_recipes.config import Recipe
 from sft_recipes.data.formats import FORMATS, DatasetFormat, Tokenization
 from sft_recipes.data.mixture import has_images
@@ -37,6 +38,7 @@ class Run:
     hub_push: HubPush | None = None  # `push_to_hub`: ours, after the export check (the Trainer's is switched off)
     sequence_parallel: SequenceParallel | None = None  # this rank's group; None: every rank has its own blocks
     finished: str | None = None  # why there is nothing to train: the checkpoint resumed from is at max_steps
+    compiles_layers: bool = False  # `torch_compile`: each decoder layer compiled before FSDP2 wraps it (ours, not accelerate's)
 
     @property
     def data_reader(self) -> tuple[int, int]:
@@ -90,6 +92,7 @@ def start_run(recipe: Recipe, read_only: bool = False) -> Run:
                               is_main=os.environ.get("RANK", "0") == "0")
     training = recipe.training
     hub_push = take_over_hub_push(training)  # before the Trainer exists; a missing id or token refused now
+    compiles_layers = take_over_torch_compile(training)  # before the Trainer exists: accelerate compiles nothing itself
     training.gradient_accumulation_steps, derivation = derive_gradient_accumulation(training, launched_world_size())
     enable_cpu_fsdp()  # before the Trainer creates its Accelerator: FSDP2 on CPU too
     bound_collective_waits(training)  # a dead or hung rank fails the others within ddp_timeout
@@ -109,7 +112,7 @@ def start_run(recipe: Recipe, read_only: bool = False) -> Run:
     with training.main_process_first(local=False, desc="model files"):
         source.ensure_files()  # a tiny stand-in is built once, by the main process
     run = Run(recipe=recipe, source=source, batch_derivation=derivation, resume_from=resume_from, hub_push=hub_push,
-              sequence_parallel=start_sequence_parallel(recipe))  # the process group exists by now
+              sequence_parallel=start_sequence_parallel(recipe), compiles_layers=compiles_layers)  # the process group exists by now
     if run.is_main:
         logger.info("recipe %s -> output_dir %s; %s; %s", recipe.source, training.output_dir, derivation,
                     launched_mesh(training.world_size).describe())

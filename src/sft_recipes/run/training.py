@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from sft_recipes.compile import CompileReport
 from sft_recipes.data.blocks import data_ended_line
 from sft_recipes.distributed import reduce_scatter_every_micro_batch, set_fsdp_reduce_dtype, verify_distributed
 from sft_recipes.evaluation import evaluated_at_last_step
@@ -15,6 +16,7 @@ from sft_recipes.fault.resume import recipe_identity
 from sft_recipes.fault.world_size import log_world_size_change
 from sft_recipes.hsdp import MeshCheck, launched_mesh
 from sft_recipes.metrics import ThroughputMeter
+from sft_recipes.precision import PrecisionCheck, expected_precision
 from sft_recipes.reporting.console import use_step_lines
 from sft_recipes.reporting.curves import TrainingCurvesCallback
 from sft_recipes.reporting.samples import (
@@ -90,13 +92,17 @@ def build_trainer(run: Run, data: RunData, built: RunModel, tokenizer) -> Traini
         callbacks=[RecipeParamsCallback(recipe.values), summary,
                    *([data.stream_reads] if data.stream_reads is not None else []),  # before the report is written
                    DataReportCallback(data.report, counted_while_training=data.counted_while_training),
-                   *fault_tolerance_callbacks(training_args, recipe_identity(recipe)), *reporting],
+                   *fault_tolerance_callbacks(training_args, recipe_identity(recipe)), *reporting,
+                   # before the step lines (added last): they show its count of compiled graphs
+                   *([CompileReport(built.compiled_layers, built.wrap_classes)] if built.compiled_layers else [])],
     )
     use_step_lines(trainer)  # one compact console line per log, not transformers' dict
     layout = verify_distributed(trainer)
     if trainer.is_fsdp_enabled:  # the model is sharded in train(): checked, and its mesh logged, at its start
         trainer.add_callback(MeshCheck(launched_mesh(training_args.world_size)))
     set_fsdp_reduce_dtype(trainer, training_args.fsdp_reduce_dtype)
+    if trainer.is_fsdp_enabled and (precision := expected_precision(training_args)) is not None:
+        trainer.add_callback(PrecisionCheck(precision))  # the policy fully_shard got, checked and logged at its start
     if run.is_main:
         logger.info("distributed: %s; throughput: %s", layout, throughput.describe())
     return Training(trainer=trainer, summary=summary, layout=layout, resumed_from=run.resume_from,

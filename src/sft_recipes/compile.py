@@ -1,0 +1,70 @@
+"""`torch_compile: true`: every decoder layer compiled in place before FSDP2 wraps it (torchtitan's per-block compile).
+
+transformers hands its own `torch_compile` to accelerate, which compiles after activation checkpointing, at
+prepare time: the whole model, or with regional compilation each repeated block AND every other leaf module
+(embeddings, norms, rotary, head: `accelerate.utils.other.compile_regions_fsdp2`), each a compile of its own
+-- ~30 s apiece on 2 CPU cores. We take the key over before the Trainer exists (accelerate's dynamo plugin
+stays off) and compile only the FSDP2 unit classes (the decoder layers, a VLM's vision blocks), in place
+(`module.compile()`: `fully_shard`'s hooks still run on `_call_impl`, unlike an `OptimizedModule`), after
+LoRA so its layers are traced with them. accelerate then wraps each compiled layer in its activation
+checkpoint (recompute calls the compiled layer again) and shards it.
+
+Shapes: a packed block is always [B, max_length], but its examples' count and lengths change from step to
+step (`cu_seq_lens`, `max_length_q`); dynamo recompiles once on the first change and then marks those sizes
+dynamic (automatic dynamic shapes), so the number of graphs stays bounded (`CompileReport` puts the count
+in every step line; a test bounds it over 20 steps). Graph breaks and their causes: docs/compile.md.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import TrainerCallback
+
+logger = logging.getLogger("sft")
+
+
+def take_over_torch_compile(training_args) -> bool:
+    """Whether the recipe asks for `torch_compile`; switched off on the TrainingArguments (and its backend, which
+    transformers set to inductor), so accelerate compiles nothing itself. Before the Trainer is built."""
+    asked = bool(training_args.torch_compile)
+    training_args.torch_compile, training_args.torch_compile_backend = False, None
+    return asked
+
+
+def compile_decoder_layers(model: torch.nn.Module, layer_classes: list[str]) -> int:
+    """Compile every module whose class is one of `layer_classes` in place; the number compiled."""
+    # As accelerate's and torchtitan's per-block compile: gpt-oss's expert routing has data-dependent shapes
+    # (.item()/nonzero), and a forward's Python side effects are not replayed when checkpointing recomputes it.
+    torch._dynamo.config.capture_scalar_outputs = True
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    layers = [module for module in model.modules() if type(module).__name__ in layer_classes]
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far: one per layer class and shape family, plus recompiles
+    and the pieces a graph break leaves."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class CompileReport(TrainerCallback):
+    """Every training log carries `compiled_graphs` (the step line shows it): a count that grows every step means
+    a recompile every step."""
+
+    def __init__(self, layers: int, classes: list[str]) -> None:
+        self.layers, self.classes = layers, classes
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.process_index == 0:
+            logger.info("[compile] torch.compile on: %d layers (%s) compiled in place before FSDP2 wrapping",
+                        self.layers, ", ".join(self.classes))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and "loss" in logs:
+            logs["compiled_graphs"] = compiled_graphs()
