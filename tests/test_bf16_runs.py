@@ -141,3 +141,22 @@ def test_hsdp_2x2_and_two_sequence_parallel_groups_under_bf16_resume_exactly(tmp
         resumed = resumed_copy(tmp_path / name, tmp_path / f"{name}-resumed")
         assert_bf16_run(launch_sft(llama, *bf16_args, "--output_dir", str(resumed), **bf16_launch), resumed)
         assert_resume_reproduces(tmp_path / name, resumed, SAVE_AT, atol=0.0)
+
+
+def test_a_policy_other_than_the_one_asked_for_is_found_on_every_unit(single_rank_group):
+    """What PrecisionCheck refuses: accelerate's default reduce dtype (bf16), and master weights left in bf16."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from sft_recipes.precision import Precision, model_precision_problems
+
+    asked = Precision(compute=torch.bfloat16, reduce=torch.float32, master=torch.float32)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fully_shard(model[0], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    assert model_precision_problems(model, asked) == (
+        ["unit 0 has MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)"], 2)
+    model[1].to(torch.bfloat16)
+    problems, _ = model_precision_problems(model, asked)
+    assert problems[-1] == "trainable parameters are ['torch.bfloat16', 'torch.float32'], not torch.float32"
+    assert model_precision_problems(torch.nn.Linear(4, 4), asked) == (["no module of the model is an FSDP2 unit"], 0)
