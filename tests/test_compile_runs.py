@@ -48,13 +48,15 @@ def test_compiled_layers_train_like_eager_without_recompiling_every_step(tmp_pat
     assert read_summary(tmp_path / "compiled")["export_max_logit_diff"] <= 1e-4
 
 
-def test_the_plan_says_whether_compile_is_on():
+def test_the_plan_says_whether_compile_and_fp8_are_on():
     config = read_accelerate_config(REPO_ROOT / "accelerate_configs" / "fsdp2_8gpu.yaml")
     for value, shown in ((True, "on: each decoder layer compiled before FSDP2 wrapping"), (False, "off")):
         recipe = load_recipe(REPO_ROOT / "recipes" / "llama8b.yaml", {
             "model_name_or_path": str(REPO_ROOT / "data/realworld/model_configs/meta-llama__Llama-3.1-8B.json"),
-            "torch_compile": value}, planning=True)
-        assert re.search(rf"^  torch\.compile\s+{re.escape(shown)}", format_plan(plan_recipe(recipe, config, 8)), re.M)
+            "torch_compile": value, "fp8": value}, planning=True)
+        text = format_plan(plan_recipe(recipe, config, 8))
+        assert re.search(rf"^  torch\.compile\s+{re.escape(shown)}", text, re.M)
+        assert ("the decoder layers' Linear layers in float8 (fp8: true, estimated as bf16)" in text) is value
 
 
 @pytest.mark.parametrize("key, value", [("torch_compile_mode", "max-autotune"), ("torch_compile_backend", "eager")])

@@ -172,7 +172,8 @@ def format_plan(plan: Plan) -> str:
     lines += [
         row("precision", f"weights {dtype_name(s.weights_dtype)}, trainable {trainable_dtype}, compute "
             f"{dtype_name(s.compute_dtype)}, reduce {dtype_name(s.reduce_dtype)}; "
-            f"AdamW states in {trainable_dtype}"),
+            f"AdamW states in {trainable_dtype}" + ("; the decoder layers' Linear layers in float8 (fp8: true, "
+                                                    "estimated as bf16)" if s.fp8 else "")),
         row("activations", f"{m.activation_bytes_per_token_checkpointed:,.0f} B/token with checkpointing, "
             f"{m.activation_bytes_per_token_full:,.0f} B/token without; this run "
             f"{'checkpoints' if s.activation_checkpointing else 'does not checkpoint'}, "

@@ -48,6 +48,7 @@ class TrainingSetup:
     eval_micro_batch_size: int | None = None  # sequences per device per eval forward; None: the run does not evaluate
     replicate_size: int = 1  # HSDP: parameters sharded over world_size / replicate_size ranks, replicated this often
     torch_compile: bool = False  # each decoder layer compiled before FSDP2 wrapping (sft_recipes.compile); not in the estimates
+    fp8: bool = False  # the decoder layers' Linear layers in float8 (sft_recipes.fp8); estimated as bf16
 
     def __post_init__(self) -> None:
         for name in ("world_size", "micro_batch_size", "seq_len", "gradient_accumulation_steps",
@@ -120,6 +121,7 @@ def training_setup(recipe: Recipe, accelerate_config: AccelerateConfig | None, w
         else None,
         replicate_size=replicate_size,
         torch_compile=t.torch_compile,
+        fp8=t.fp8,
     )
 
 
