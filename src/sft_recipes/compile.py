@@ -9,10 +9,9 @@ stays off) and compile only the FSDP2 unit classes (the decoder layers, a VLM's 
 LoRA so its layers are traced with them. accelerate then wraps each compiled layer in its activation
 checkpoint (recompute calls the compiled layer again) and shards it.
 
-Shapes: a packed block is always [B, max_length], but its examples' count and lengths change from step to
-step (`cu_seq_lens`, `max_length_q`); dynamo recompiles once on the first change and then marks those sizes
-dynamic (automatic dynamic shapes), so the number of graphs stays bounded (`CompileReport` puts the count
-in every step line; a test bounds it over 20 steps). Graph breaks and their causes: docs/compile.md.
+Shapes: a packed block is always [B, max_length], whatever its examples' count and lengths (their bounds are
+tensors), so a layer compiles once: measured 1 graph over 20 steps of changing blocks (`CompileReport` puts the
+count in every step line; a test bounds it). Graph breaks and their causes: docs/compile.md.
 """
 
 from __future__ import annotations
