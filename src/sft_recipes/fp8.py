@@ -5,13 +5,15 @@ are multiples of 16 (what `torch._scaled_mm` takes). Left alone: the embeddings,
 tower, and gates (`GATE_NAMES`: MoE routers, as torchtitan leaves them, and the gated delta rule's decay and
 beta projections). Each converted layer runs its three matmuls in float8 with dynamic
 tensorwise scales; its weight stays in the master dtype, so checkpoints, the optimizer and the export (in the
-recipe's `export_dtype`) see plain tensors.
+recipe's `export_dtype`) see plain tensors -- on CPU; with float8 all-gather (GPU) torchao wraps each weight in
+its `WeightWithDynamicFloat8CastTensor`, whose checkpoints are not verified here.
 
 Where it runs: a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell) runs real float8 matmuls;
 an older GPU is refused by the linter (`fp8_problem`); on CPU torchao's emulation (`Float8LinearConfig(emulate=
 True)`) casts to float8 and back and multiplies in high precision: the same rounding, no speed. Under FSDP2 on
 a GPU the weights are all-gathered in float8 (`enable_fsdp_float8_all_gather`: half the bytes of bf16); on CPU
-that stays off, because gloo has no float8 collectives (docs/precision.md).
+that stays off: gloo has no float8 collectives (`all_gather_into_tensor` of a float8 tensor raises "Invalid
+scalar type").
 """
 
 from __future__ import annotations
