@@ -38,7 +38,7 @@ class Run:
     hub_push: HubPush | None = None  # `push_to_hub`: ours, after the export check (the Trainer's is switched off)
     sequence_parallel: SequenceParallel | None = None  # this rank's group; None: every rank has its own blocks
     finished: str | None = None  # why there is nothing to train: the checkpoint resumed from is at max_steps
-    compiles_layers: bool = False  # `torch_compile`: each decoder layer compiled before FSDP2 wraps it (ours, not accelerate's)
+    compiles_layers: bool = False  # `torch_compile`: each decoder layer compiled before FSDP2 wraps it (not by accelerate)
 
     @property
     def data_reader(self) -> tuple[int, int]:
@@ -112,7 +112,8 @@ def start_run(recipe: Recipe, read_only: bool = False) -> Run:
     with training.main_process_first(local=False, desc="model files"):
         source.ensure_files()  # a tiny stand-in is built once, by the main process
     run = Run(recipe=recipe, source=source, batch_derivation=derivation, resume_from=resume_from, hub_push=hub_push,
-              sequence_parallel=start_sequence_parallel(recipe), compiles_layers=compiles_layers)  # the process group exists by now
+              sequence_parallel=start_sequence_parallel(recipe),  # the process group exists by now
+              compiles_layers=compiles_layers)
     if run.is_main:
         logger.info("recipe %s -> output_dir %s; %s; %s", recipe.source, training.output_dir, derivation,
                     launched_mesh(training.world_size).describe())
