@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -81,10 +82,23 @@ def run_command(cmd: list[str], env: dict[str, str] | None = None, timeout: int 
                 launcher: str = "warm") -> subprocess.CompletedProcess:
     """Run `cmd` from the repository root. `python SCRIPT` and `accelerate launch` commands go through the warm
     launcher unless `launcher="real"` (or SFT_TESTS_LAUNCHER=real for the whole session): docs/testing.md."""
-    full_env = command_environment(env)
+    full_env, started = command_environment(env), time.monotonic()
     if launcher == "warm" and (result := _warm_run(cmd, full_env, timeout)) is not None:
+        log_launch("warm", cmd, started)
         return result
-    return subprocess.run(cmd, cwd=REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    log_launch("real", cmd, started)
+    return result
+
+
+def log_launch(launcher: str, cmd: list[str], started: float) -> None:
+    """With SFT_TESTS_LAUNCH_LOG=FILE, one line per command a test runs: the launcher that served it, its
+    wall time and the test (docs/testing.md: which runs go where, and what they cost)."""
+    if path := os.environ.get("SFT_TESTS_LAUNCH_LOG"):
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        script = next((part for part in cmd if part.endswith((".py", ".sh"))), cmd[0])
+        with open(path, "a") as log:
+            log.write(f"{launcher}\t{time.monotonic() - started:.1f}\t{Path(script).name}\t{test}\n")
 
 
 def launch_sft(recipe: Path, *overrides: str, nproc: int = 2, env: dict[str, str] | None = None,

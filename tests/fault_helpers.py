@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conftest import CPU_CONFIG, REPO_ROOT, TINY_LLAMA_RECIPE, bin_path, free_port
+from conftest import CPU_CONFIG, REPO_ROOT, TINY_LLAMA_RECIPE, bin_path, free_port, log_launch
 
 FAULT_LAUNCHER = REPO_ROOT / "tests" / "fault_injection.py"
 RUN_TIMEOUT = 240
@@ -20,6 +20,7 @@ class Run:
     """A launched run whose output is drained in the background (a full pipe would block the workers)."""
 
     def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+        self.cmd, self.started = cmd, time.monotonic()
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.pid = self.proc.pid
@@ -40,6 +41,9 @@ class Run:
     def wait(self) -> int:
         self.proc.wait()
         self._reader.join()
+        if self.started is not None:
+            log_launch("real", self.cmd, self.started)
+            self.started = None
         return self.proc.returncode
 
 
