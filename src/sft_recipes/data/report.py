@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sft_recipes.data.rows import REASON_FIXES
 from sft_recipes.errors import RecipeError
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class DataReport:
             raise RecipeError(
                 f"Refusing to go on: {self.dropped_share:.2%} of the rows of {self.source} are dropped, more than "
                 f"max_dropped_share={max_dropped_share} ({self.describe_stream()}; summed over every rank, judged from "
-                f"{MIN_ROWS_BEFORE_DROP_LIMIT} rows read or at the end of the stream). Fix the rows, check "
+                f"{MIN_ROWS_BEFORE_DROP_LIMIT} rows read or at the end of the stream). {self.format_that_fits()}Fix the rows, check "
                 "dataset_format and the chat template (`.venv/bin/python scripts/sft.py RECIPE --audit-data 5` shows rows), or raise "
                 "max_dropped_share if dropping them is intended."
             )
@@ -128,16 +129,23 @@ class DataReport:
             return
         # One line (the `error:` line a user reads last): the report's counts and its first row of each reason.
         counts = "; ".join(line.strip() for line in self.format().splitlines()).removeprefix("[data] ")
+        fits = self.format_that_fits()
         if self.kept == 0 or self.kept_supervised_tokens == 0:
             what = "no row is left" if self.kept == 0 else "the rows left have no trainable (supervised) token"
-            raise RecipeError(f"Refusing to train: {what} ({counts}). Fix the dataset (or dataset_format, "
+            raise RecipeError(f"Refusing to train: {what} ({counts}). {fits}Fix the dataset (or dataset_format, "
                               "max_length, completion_only_loss) so that rows carry a target to learn.")
         if self.dropped_share > max_dropped_share:
             raise RecipeError(
                 f"Refusing to train: {self.dropped_share:.2%} of the rows are bad, more than max_dropped_share="
-                f"{max_dropped_share} ({counts}). Fix the rows, check dataset_format, or raise max_dropped_share "
+                f"{max_dropped_share} ({counts}). {fits}Fix the rows, check dataset_format, or raise max_dropped_share "
                 "if dropping them is intended."
             )
+
+    def format_that_fits(self) -> str:
+        """The fix of a drop reason that names the format reading those rows (`rows.REASON_FIXES`), as a sentence."""
+        dropped = self.dropped + self.stream_dropped
+        fixes = [REASON_FIXES[reason] for reason in sorted(dropped) if reason in REASON_FIXES]
+        return "".join(f"{fix[0].upper()}{fix[1:]}. " for fix in fixes)
 
 
 def report_params(summary: dict[str, Any], prefix: str = "data.") -> dict[str, Any]:
