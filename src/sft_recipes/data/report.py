@@ -183,6 +183,10 @@ class MixtureReport:
     sources: list[SourceReport] = field(default_factory=list)
     streamed: bool = False
     packed: bool = False  # read by the packed block stream: tokens counted while training
+    # packed: the supervised tokens inside the blocks the steps trained, all ranks (the sum of the ranks'
+    # `[data] ... trained on` lines). The sources' counts take each conversation whole when read, so they
+    # also hold the part of the last conversations that fell past the last block trained.
+    supervised_tokens_in_trained_blocks: int | None = None
 
     def _share(self, source: SourceReport) -> float | None:
         counted = [s.supervised_tokens for s in self.sources]
@@ -217,6 +221,7 @@ class MixtureReport:
                 "tokens": None if None in [s.tokens for s in self.sources] else sum(s.tokens for s in self.sources),
                 "supervised_tokens": None if None in supervised else sum(supervised), "streamed": self.streamed,
                 "eval_rows": sum(s.eval_rows for s in self.sources),
+                "supervised_tokens_in_trained_blocks": self.supervised_tokens_in_trained_blocks,
                 "sources": [self.source_dict(s) for s in self.sources]}
 
     def mlflow_params(self) -> dict[str, Any]:
@@ -253,6 +258,12 @@ class MixtureReport:
                          f"{source.mixture_rows:,}{available}{repeated}") + f"{fraction}, {counted}"
                 drawn = f"{'in the mixture' if mixture else 'drawn for training'}: {drawn}"
             lines.append(f"  {drawn}; eval rows {source.eval_rows:,}")
+        if self.supervised_tokens_in_trained_blocks is not None:
+            read = sum(source.supervised_tokens or 0 for source in self.sources)
+            lines.append(f"[data] trained: {self.supervised_tokens_in_trained_blocks:,} supervised tokens in the blocks the "
+                         f"steps ran (as `all ranks trained on` says); the other "
+                         f"{read - self.supervised_tokens_in_trained_blocks:,} of the {read:,} read were in the last "
+                         "conversations' parts past the last block")
         return "\n".join(lines)
 
     def enforce(self, max_dropped_share: float) -> None:
@@ -262,6 +273,7 @@ class MixtureReport:
     def count_stream(self, total: StreamStats, stream_ended: bool, max_dropped_share: float) -> None:
         """Take the packed stream's running counts per source (all ranks); RecipeError when a source's share
         of dropped rows is too high."""
+        self.supervised_tokens_in_trained_blocks = total.supervised_tokens
         for index, source in enumerate(self.sources):
             counts = total.sources.get(index)
             if counts is None:  # nothing of it read yet
