@@ -38,7 +38,7 @@ def attempt(store, run_id: str, ending: str) -> subprocess.CompletedProcess:
 def test_each_way_an_attempt_ends_has_its_status():
     assert [status_of(error) for error in (None, SystemExit(0), SystemExit(75), SystemExit(2), RecipeError("bad"),
                                            RuntimeError("NCCL"), KeyboardInterrupt())] == [
-        "FINISHED", "FINISHED", "KILLED", "FAILED", "FAILED", "FAILED", "FAILED"]
+        "FINISHED", "FINISHED", "KILLED", "FAILED", "FAILED", "FAILED", "KILLED"]
 
 
 def test_a_preempted_attempt_leaves_the_injected_run_killed_not_finished(tmp_path):

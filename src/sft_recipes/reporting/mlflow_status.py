@@ -5,7 +5,7 @@ MLflowCallback does the same when it is collected. So an attempt that crashed, r
 preemption (SIGTERM: a checkpoint, then exit 75; also what torchrun sends the other ranks when one rank dies)
 showed in the MLflow UI as a finished run until a retry resumed it (an injected MLFLOW_RUN_ID on AI Runtime:
 one run for every attempt). Here the run is ended first, with the status of how the process is ending:
-KILLED for a preemption stop, FAILED for anything else. A SIGKILL of rank 0 itself runs no code: its run
+KILLED for a preemption stop or an interrupt, FAILED for anything else. A SIGKILL of rank 0 itself runs no code: its run
 stays RUNNING until the retry (docs/ai-runtime.md).
 
 mlflow is imported only when the run already did (a run without MLflow never loads it).
@@ -24,8 +24,8 @@ def status_of(error: BaseException | None) -> str:
 
     if error is None or (isinstance(error, SystemExit) and error.code in (0, None)):
         return "FINISHED"
-    if isinstance(error, SystemExit) and error.code == REQUEUE_EXIT_CODE:
-        return "KILLED"
+    if isinstance(error, KeyboardInterrupt) or (isinstance(error, SystemExit) and error.code == REQUEUE_EXIT_CODE):
+        return "KILLED"  # stopped from outside: preempted (a checkpoint, exit 75) or interrupted
     return "FAILED"
 
 
