@@ -164,7 +164,8 @@ def verify_distributed(trainer) -> str:
     kind = f"FSDP{requested_fsdp_version(trainer.args)}" if fsdp_requested() else accelerator.distributed_type.value
     mesh = getattr(accelerator, "parallelism_config", None)  # the mesh accelerate built from the config
     if mesh is not None and mesh.dp_replicate_size > 1:  # HSDP: the mesh, not only the process count
-        return f"{kind} {DataParallelMesh(mesh.dp_replicate_size, mesh.dp_shard_size).describe()} on {accelerator.device.type}"
+        hybrid = DataParallelMesh(mesh.dp_replicate_size, mesh.dp_shard_size)
+        return f"{kind} {hybrid.describe()} on {accelerator.device.type}"
     return f"{kind} over {accelerator.num_processes} process(es) on {accelerator.device.type}"
 
 

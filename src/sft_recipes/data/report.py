@@ -86,7 +86,8 @@ class DataReport:
             raise RecipeError(
                 f"Refusing to go on: {self.dropped_share:.2%} of the rows of {self.source} are dropped, more than "
                 f"max_dropped_share={max_dropped_share} ({self.describe_stream()}; summed over every rank, judged from "
-                f"{MIN_ROWS_BEFORE_DROP_LIMIT} rows read or at the end of the stream). {self.format_that_fits()}Fix the rows, check "
+                f"{MIN_ROWS_BEFORE_DROP_LIMIT} rows read or at the end of the stream). "
+                f"{self.format_that_fits()}Fix the rows, check "
                 "dataset_format and the chat template (`.venv/bin/python scripts/sft.py RECIPE --audit-data 5` shows rows), or raise "
                 "max_dropped_share if dropping them is intended."
             )
@@ -260,8 +261,8 @@ class MixtureReport:
             lines.append(f"  {drawn}; eval rows {source.eval_rows:,}")
         if self.supervised_tokens_in_trained_blocks is not None:
             read = sum(source.supervised_tokens or 0 for source in self.sources)
-            lines.append(f"[data] trained: {self.supervised_tokens_in_trained_blocks:,} supervised tokens in the blocks the "
-                         f"steps ran (as `all ranks trained on` says); the other "
+            lines.append(f"[data] trained: {self.supervised_tokens_in_trained_blocks:,} supervised tokens in the "
+                         "blocks the steps ran (as `all ranks trained on` says); the other "
                          f"{read - self.supervised_tokens_in_trained_blocks:,} of the {read:,} read were in the last "
                          "conversations' parts past the last block")
         return "\n".join(lines)
