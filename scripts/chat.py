@@ -23,11 +23,11 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import TextStreamer
 
 from sft_recipes.data.masking import check_renders_tools
 from sft_recipes.data.tools import ToolDataError, parsed_tools
 from sft_recipes.reporting.load_export import load_export
+from sft_recipes.reporting.replies import ReplyStreamer, one_kernel_fallback_line, shown_reply
 
 
 def answer(model, tokenizer, conversation: list[dict], max_new_tokens: int, temperature: float,
@@ -35,12 +35,12 @@ def answer(model, tokenizer, conversation: list[dict], max_new_tokens: int, temp
     if inputs is None:
         inputs = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_tensors="pt",
                                                return_dict=True, **({"tools": tools} if tools else {}))
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    streamer = ReplyStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)  # no empty <think></think>
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=max_new_tokens, streamer=streamer,
                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling)
-    return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    return shown_reply(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)).strip()
 
 
 def read_tools(path: str) -> list[dict]:
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system", help="a system prompt to open every conversation with (as your rows' system turn)")
     parser.add_argument("--tools", help="a JSON file with the function schemas the model may call (chat template tools=)")
     args = parser.parse_args(argv)
+    one_kernel_fallback_line()
     try:
         tools = read_tools(args.tools) if args.tools else None
         model, tokenizer = load_export(args.output_dir, args.base_model)

@@ -24,6 +24,7 @@ set_runtime_defaults()  # before anything imports huggingface_hub or touches CUD
 from sft_recipes.config import load_recipe
 from sft_recipes.distributed import process_group_destroyed_on_exit
 from sft_recipes.errors import one_line_refusals
+from sft_recipes.reporting.mlflow_status import mlflow_run_ended_by_outcome
 from sft_recipes.run import audit_data, complete_run, start_run
 
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_then_tear_down() -> int:
-    with process_group_destroyed_on_exit():
+    with process_group_destroyed_on_exit(), mlflow_run_ended_by_outcome():  # a failed attempt's run: not FINISHED
         return main()
 
 

@@ -184,9 +184,10 @@ AREAS = {
     "fault": ("fault_checkpoints", "fault_guards", "fault_preemption_exit", "fault_resume", "output_disk",
               "world_size", "refusals", "preflight_launch"),
     "reporting": ("console", "export_check", "metrics", "reporting", "samples_chat", "summary", "vision_samples",
-                  "smollm2"),
+                  "smollm2", "mlflow_status", "replies"),
     "entry": ("config", "recipes", "readme_commands", "notebooks", "python_api", "parameters_file",
-              "workload_check", "workload_global_batch", "workload_runs", "suite_layout", "one_process_api"),
+              "workload_check", "workload_global_batch", "workload_runs", "suite_layout", "one_process_api",
+              "new_workload"),
 }
 AREA_OF_FILE = {f"test_{name}.py": area for area, names in AREAS.items() for name in names}
 

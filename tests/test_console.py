@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import re
+import sys
+from pathlib import Path
 
 from conftest import REPO_ROOT, run_command
+from sft_recipes.errors import RecipeError, forget_refusal_hooks, on_refusal, one_line_refusals
 from sft_recipes.reporting.console import _Tee, _TrainLog, step_line
 
 
@@ -62,3 +66,32 @@ def test_the_log_is_held_until_the_run_trains_or_refuses(tmp_path):
     training.write("step 2/4 | loss 5.9000\n")
     training.flush()
     assert path.read_text().endswith("[rank 1] error: bad\nstep 1/4 | loss 6.2000\nstep 2/4 | loss 5.9000\n")
+
+
+def test_a_train_log_on_a_full_disk_leaves_the_refusal_on_the_console_and_exit_2(monkeypatch):
+    """The disk fills during a save: the refusal printed through the tee must not die appending to train.log
+    (/dev/full: every write that reaches it raises OSError 28, as a full disk does)."""
+    unraisable = []  # a buffered file that cannot flush prints `Exception ignored in ...` when collected
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    log = _TrainLog(Path("/dev/full"), rank=0)
+    log.write("step 1/6 | loss 6.2000\n")
+    log.keep()  # the held lines cannot be written: the log is given up, the run goes on
+    console = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", _Tee(console, log))
+    on_refusal(log.refused)
+
+    def save():
+        print("step 6/6 | loss 5.1000", file=sys.stderr)
+        raise RecipeError("The disk filled while saving checkpoint-6: ... Free space there and resume.")
+
+    try:
+        assert one_line_refusals(save) == 2
+    finally:
+        forget_refusal_hooks()
+    assert console.getvalue() == ("step 6/6 | loss 5.1000\n\nerror: The disk filled while saving checkpoint-6: ... "
+                                  "Free space there and resume.\n")
+    monkeypatch.setattr(sys, "stderr", console)
+    del log
+    gc.collect()
+    assert unraisable == []
+

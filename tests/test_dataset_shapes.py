@@ -13,7 +13,14 @@ from datasets import Dataset
 from real_tokenizers import real_tokenizer
 from sft_recipes.config import load_recipe
 from sft_recipes.data.formats import FORMATS, Tokenization
-from sft_recipes.data.rows import NO_ASSISTANT_TURN, NOT_A_STRING, UNKNOWN_ROLE, UNKNOWN_TOOL
+from sft_recipes.data.rows import (
+    MESSAGES_NOT_STRINGS,
+    NO_ASSISTANT_TURN,
+    NOT_A_STRING,
+    STRINGS_NOT_MESSAGES,
+    UNKNOWN_ROLE,
+    UNKNOWN_TOOL,
+)
 from sft_recipes.data.sources import load_checked_dataset
 from sft_recipes.errors import RecipeError
 from test_formats import tiny_llama  # noqa: F401  (fixture)
@@ -68,11 +75,32 @@ def test_conversational_prompt_completion_trains_only_the_completions_replies(tm
         {"prompt": "The sky is", "completion": " blue."},
     ]
     data, report = load_checked_dataset(local(write(tmp_path, rows), "prompt_completion_chat"))
-    assert report.dropped == {NO_ASSISTANT_TURN: 1, NOT_A_STRING: 1}
+    assert report.dropped == {NO_ASSISTANT_TURN: 1, STRINGS_NOT_MESSAGES: 1}  # strings: prompt_completion's shape
     fmt = FORMATS["prompt_completion_chat"]
     trained = fmt.to_tokens(fmt.as_trained(data), tokenizer, Tokenization(max_length=None), report)
     assert labelled(tokenizer, trained) == ["4<|eot_id|>"]  # the prompt's reply "5" is context only
     assert "5<|eot_id|>" in tokenizer.decode(trained[0]["input_ids"])
+
+
+CHAT_PROMPTS = [{"prompt": [{"role": "user", "content": row["prompt"]}],
+                 "completion": [{"role": "assistant", "content": row["completion"]}]} for row in PROMPTS]
+
+
+@pytest.mark.parametrize(("given", "fits", "reason", "shape"), [
+    ("prompt_completion_chat", "prompt_completion", STRINGS_NOT_MESSAGES, "strings"),
+    ("prompt_completion", "prompt_completion_chat", MESSAGES_NOT_STRINGS, "message lists")])
+def test_the_other_prompt_completion_shape_is_refused_naming_the_format_that_reads_it(given, fits, reason, shape,
+                                                                                      tmp_path):
+    """Two rows of the other shape and one of the given format's: refused by the drop share, naming the format."""
+    wrong, right = (PROMPTS, CHAT_PROMPTS[:1]) if fits == "prompt_completion" else (CHAT_PROMPTS, PROMPTS[:1])
+    _, report = load_checked_dataset(local(write(tmp_path, wrong + right), given))
+    with pytest.raises(RecipeError) as refused:
+        report.enforce(0.05)  # the recipe's max_dropped_share (default)
+    message = str(refused.value)
+    assert message.startswith("Refusing to train: 66.67% of the rows are bad, more than max_dropped_share=0.05 (")
+    assert f"dropped 2 (66.67%: {reason} 2)" in message
+    assert message.endswith(f"Prompt and completion are {shape}: set dataset_format: {fits}. Fix the rows, check "
+                            "dataset_format, or raise max_dropped_share if dropping them is intended.")
 
 
 SHAREGPT_TOOLS = {

@@ -75,3 +75,24 @@ def test_a_finished_run_leaves_no_gloo_thread_to_interpreter_exit(teardown, tmp_
     for rank in gloo_threads_after("ours" if teardown == "ours" else "torch", tmp_path, free_port()):
         assert rank["during"].count("pt_gloo_runloop") >= 2 and "gloo_tcp_loop" in rank["during"], rank
         assert rank["after"] == ([] if teardown == "ours" else rank["during"]), rank
+
+
+def test_an_hsdp_run_records_its_mesh_not_only_its_process_count(monkeypatch):
+    """What run_summary.json's `distributed` says: accelerate's mesh from the config (hsdp_cpu.yaml: 2 x 2)."""
+    from types import SimpleNamespace
+
+    import torch
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    accelerator = SimpleNamespace(num_processes=4, distributed_type=DistributedType.FSDP, device=torch.device("cpu"),
+                                  state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=2)),
+                                  parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
+    trainer = SimpleNamespace(accelerator=accelerator, is_fsdp_enabled=True, args=None)
+    assert verify_distributed(trainer) == (
+        "FSDP2 HSDP 2 replicas x 2 shards (dp_replicate x dp_shard) over 4 processes on cpu")
+    accelerator.parallelism_config = ParallelismConfig(dp_shard_size=4)  # flat: as before
+    assert verify_distributed(trainer) == "FSDP2 over 4 process(es) on cpu"

@@ -62,7 +62,7 @@ def runs(tmp_path_factory):
 
 def test_the_run_is_hsdp_and_logs_its_mesh(runs):
     summary = read_summary(runs["root"] / "hsdp")
-    assert summary["distributed"] == "FSDP2 over 4 process(es) on cpu"
+    assert summary["distributed"] == f"FSDP2 {HSDP_LAYOUT} on cpu"  # the mesh, not only the process count
     output = runs["hsdp_output"]
     assert f"global batch 16 sequences = 4 per device x 4 processes x 1 accumulation steps (derived); {HSDP_LAYOUT}" \
         in output

@@ -310,10 +310,14 @@ def test_a_packed_runs_report_says_how_many_conversations_the_steps_read_of_the_
                                                  mixture_rows=300)], packed=True)
     assert "tokens counted while training" in report.format()
     read = SourceCounts(conversations=59, tokens=6200, supervised_tokens=3462)
-    report.count_stream(StreamStats(conversations=59, sources={0: read}), stream_ended=False, max_dropped_share=0.05)
-    assert report.format().splitlines()[1] == (
+    # The ranks' blocks held 3,441 of those supervised tokens (the demo's `[data] all 2 ranks trained on` line).
+    report.count_stream(StreamStats(conversations=59, supervised_tokens=3441, sources={0: read}), stream_ended=False,
+                        max_dropped_share=0.05)
+    assert report.format().splitlines()[1:] == [
         "  read by the steps run: 59 conversations of 300 training rows, 6,200 tokens, 3,462 supervised "
-        "(each conversation counted whole when read); eval rows 0")
+        "(each conversation counted whole when read); eval rows 0",
+        "[data] trained: 3,441 supervised tokens in the blocks the steps ran (as `all ranks trained on` says); the "
+        "other 21 of the 3,462 read were in the last conversations' parts past the last block"]
     summary = report.as_dict()
-    assert (summary["tokens"], summary["supervised_tokens"], summary["sources"][0]["conversations_read"]) == (
-        6200, 3462, 59)
+    assert (summary["tokens"], summary["supervised_tokens"], summary["sources"][0]["conversations_read"],
+            summary["supervised_tokens_in_trained_blocks"]) == (6200, 3462, 59, 3441)

@@ -45,7 +45,32 @@ def test_series_reads_each_quantity_against_its_step():
 
 def test_curves_picture_is_a_png_of_three_panels(tmp_path):
     path = write_training_curves(LOG_HISTORY, tmp_path / "sub" / CURVES_FILE)
-    assert png_size(path) == (800, 900)  # figsize 8 x 9 inches at 100 dpi
+    assert png_size(path) == (800, 700)  # figsize 8 x 7 inches at 100 dpi
+
+
+def test_the_learning_rate_panel_is_the_smallest_and_says_when_it_is_constant():
+    import matplotlib.pyplot as plt
+
+    figure = draw_training_curves([{**entry, "learning_rate": 2e-5} for entry in LOG_HISTORY if "loss" in entry])
+    loss, learning_rate, throughput = (axis.get_position().height for axis in figure.axes)
+    titles = [axis.get_title() for axis in figure.axes]
+    plt.close(figure)
+    assert learning_rate == pytest.approx(loss / 3, rel=0.05) and learning_rate == pytest.approx(throughput / 2, rel=0.05)
+    assert titles == ["loss", "learning rate (constant 2.00e-05)", "tokens/s per device"]
+
+
+def test_a_run_that_stopped_early_shows_where_and_the_steps_it_did_not_run():
+    import matplotlib.pyplot as plt
+
+    figure = draw_training_curves(LOG_HISTORY, max_steps=6)  # its last step is 3
+    lines = [[line.get_xdata()[0] for line in axis.get_lines() if line.get_linestyle() == "--"] for axis in figure.axes]
+    right_edges = [axis.get_xlim()[1] for axis in figure.axes]
+    title = figure._suptitle.get_text()
+    plt.close(figure)
+    assert (title, lines, right_edges) == ("stopped at step 3 of 6", [[3], [3], [3]], [6, 6, 6])
+    finished = draw_training_curves(LOG_HISTORY, max_steps=3)
+    assert finished._suptitle is None and all(len(axis.get_lines()) <= 2 for axis in finished.axes)
+    plt.close(finished)
 
 
 def test_curves_of_a_run_resumed_near_its_end_tick_whole_steps():
@@ -61,7 +86,8 @@ def test_curves_of_a_run_resumed_near_its_end_tick_whole_steps():
 class State:
     def __init__(self, is_main: bool):
         self.is_world_process_zero = is_main
-        self.log_history = LOG_HISTORY
+        self.log_history = list(LOG_HISTORY)
+        self.max_steps = 3
 
 
 class Args:
@@ -75,7 +101,19 @@ def test_curves_callback_draws_on_rank_0_only(tmp_path):
     callback.on_save(Args(tmp_path / "rank1"), State(is_main=False), None)
     assert not (tmp_path / "rank1").exists()
     callback.on_train_end(Args(tmp_path / "rank0"), State(is_main=True), None)
-    assert png_size(tmp_path / "rank0" / CURVES_FILE) == (800, 900)
+    assert png_size(tmp_path / "rank0" / CURVES_FILE) == (800, 700)
+
+
+def test_the_final_eval_after_train_end_is_drawn(tmp_path):
+    """Training.run evaluates the last weights after train end: the picture is drawn again with that point."""
+    callback, state = TrainingCurvesCallback(), State(is_main=True)
+    callback.on_evaluate(Args(tmp_path / "during"), state, None)  # an eval during training: drawn at the next save
+    assert not (tmp_path / "during").exists()
+    callback.on_train_end(Args(tmp_path), state, None)
+    before = (tmp_path / CURVES_FILE).read_bytes()
+    state.log_history.append({"step": 3, "eval_loss": 2.1})
+    callback.on_evaluate(Args(tmp_path), state, None)
+    assert (tmp_path / CURVES_FILE).read_bytes() != before
 
 
 def test_end_of_run_files_are_logged_to_the_mlflow_run(tmp_path, monkeypatch):

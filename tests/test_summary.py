@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 from transformers import TrainerControl, TrainerState
@@ -41,3 +42,40 @@ def test_a_resumed_run_keeps_the_losses_logged_before_its_checkpoint():
     assert report["losses"] == {"2": 3.0, "4": 2.0, "5": 1.5, "6": 1.25}
     assert report["eval_losses"] == {"2": 3.5} and report["final_loss"] == 1.25
     assert (report["steps"], report["steps_this_run"]) == (6, 2)
+
+
+def test_the_wait_for_data_is_shown_beside_the_steps_and_warned_about_when_it_dominates():
+    """8000 x 8000 images: 57 s a step, of which the step itself took 1.01 s (the fetch comes before it)."""
+    from sft_recipes.reporting.data_wait import DataWaitMixin, data_wait_warning
+
+    class Fetching:
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            return [next(epoch_iterator) for _ in range(num_batches)], None
+
+    class Timed(DataWaitMixin, Fetching):
+        pass
+
+    def slow_rows():
+        while True:
+            time.sleep(0.05)
+            yield {"input_ids": [1]}
+
+    trainer, rows = Timed(), slow_rows()
+    for _ in range(2):
+        assert trainer.get_batch_samples(rows, 2, "cpu")[0] == [{"input_ids": [1]}] * 2
+    assert 0.2 <= trainer.data_wait_seconds < 1.0  # 4 rows of 0.05 s
+
+    callback, state = RunSummaryCallback(), TrainerState(max_steps=2)
+    for state.global_step in (1, 2):
+        step(callback, state)
+    callback.step_seconds = [1.01, 1.01]
+    report = callback.finish(116.0, "out", None, None, "FSDP2 over 2 process(es) on cpu", data_wait_seconds=112.0)
+    assert report["seconds_waiting_for_data_per_step"] == 56.0
+    assert RunSummaryCallback.closing_line(report).startswith(
+        "[train] 2 steps in 116.0s (1.01s/step + 56.00s/step waiting for data), ")
+    assert data_wait_warning(report["seconds_per_step"], report["seconds_waiting_for_data_per_step"], 0) == (
+        "[train] waiting for data took 98% of each step (56.00s waiting, 1.01s computing): raise "
+        "dataloader_num_workers (now 0) or make rows cheaper to read (smaller images, shorter rows, data on a local disk)")
+    quick = callback.finish(2.1, "out", None, None, "", data_wait_seconds=0.08)  # 0.04 s a step: not worth a word
+    assert "waiting" not in RunSummaryCallback.closing_line(quick)
+    assert data_wait_warning(quick["seconds_per_step"], quick["seconds_waiting_for_data_per_step"], 0) is None

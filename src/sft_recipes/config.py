@@ -441,11 +441,14 @@ def without_overridden_batch_keys(*sources: dict[str, Any]) -> list[dict[str, An
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] | None = None,
-                planning: bool = False, overrides_source: str = "command_line") -> Recipe:
+                planning: bool = False, overrides_source: str = "command_line",
+                override_origins: dict[str, str] | None = None) -> Recipe:
     """Parse, interpolate, validate and build the dataclasses of one recipe. Raises RecipeError.
 
     `overrides`: `--key value` tokens or a dict, winning over the recipe and over HYPERPARAMETERS_PATH;
-    `overrides_source` names them in `Recipe.overrides` (train() passes "keyword_arguments").
+    `overrides_source` names them in `Recipe.overrides` (train() passes "keyword_arguments");
+    `override_origins` names, per override key, where the user wrote it (the workload check: a workload's
+    `parameters:` or command), so that a problem with it points there, not at the recipe file.
     `planning`: validate a GPU recipe on a machine without a GPU (dry runs, tests) -- the
     TrainingArguments are built with `use_cpu`, which TrainingArguments demands there for bf16;
     `values` still holds what the recipe says.
@@ -457,7 +460,8 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
     values.update(parameters)
     values.update(cli)
     sources = {"parameters": parameters, overrides_source: cli}
-    set_by = {**{key: f" (set in {parameters_origin})" for key in parameters}, **{key: "" for key in cli}}
+    set_by = {**{key: f" (set in {parameters_origin})" for key in parameters},
+              **{key: f" (set in {override_origins[key]})" if key in (override_origins or {}) else "" for key in cli}}
 
     missing_env: list[str] = []
     values = {key: interpolate_env(value, missing_env) for key, value in values.items()}
@@ -493,7 +497,9 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
     if problems:
         listed = "; ".join(problems)
         end = "" if listed.endswith("?") else "."  # a last problem that asks 'did you mean ...?' ends its sentence
-        raise RecipeError(f"{path}: {listed}{end} Fix these in {path} or in the --key overrides.")
+        fix = ("Fix each where it is set (in parentheses), else in " + str(path) if override_origins
+               else f"Fix these in {path} or in the --key overrides")
+        raise RecipeError(f"{path}: {listed}{end} {fix}.")
 
     if planning and "use_cpu" not in values:
         kwargs[TrainingArguments]["use_cpu"] = True

@@ -18,6 +18,7 @@ import torch
 import torch.distributed.nn.functional  # noqa: F401 -- before any group exists (destroy_process_groups says why)
 from accelerate.state import AcceleratorState, DistributedType, PartialState
 from sft_recipes.errors import RecipeError
+from sft_recipes.hsdp import DataParallelMesh
 
 
 def launch_flag(name: str) -> bool:
@@ -163,6 +164,10 @@ def verify_distributed(trainer) -> str:
             "through sft_recipes.distributed.enable_cpu_fsdp), and check num_processes/num_machines there."
         )
     kind = f"FSDP{requested_fsdp_version(trainer.args)}" if fsdp_requested() else accelerator.distributed_type.value
+    mesh = getattr(accelerator, "parallelism_config", None)  # the mesh accelerate built from the config
+    if mesh is not None and mesh.dp_replicate_size > 1:  # HSDP: the mesh, not only the process count
+        hybrid = DataParallelMesh(mesh.dp_replicate_size, mesh.dp_shard_size)
+        return f"{kind} {hybrid.describe()} on {accelerator.device.type}"
     return f"{kind} over {accelerator.num_processes} process(es) on {accelerator.device.type}"
 
 

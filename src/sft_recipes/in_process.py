@@ -42,6 +42,7 @@ import torch.distributed as dist
 from sft_recipes.distributed import destroy_process_groups
 from sft_recipes.errors import RecipeError
 from sft_recipes.launch import read_accelerate_config
+from sft_recipes.reporting.mlflow_status import end_active_mlflow_run
 
 RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -138,15 +139,6 @@ def _visible_logs() -> Iterator[None]:
             root.setLevel(level)
 
 
-def _end_active_mlflow_run(failed: bool) -> None:
-    if "mlflow" not in sys.modules:
-        return
-    import mlflow
-
-    if mlflow.active_run() is not None:
-        mlflow.end_run(status="FAILED" if failed else "FINISHED")
-
-
 _RENDEZVOUS: list = []  # [TCPStore, calls so far]: one store per process, a fresh key prefix per call
 
 
@@ -198,7 +190,7 @@ def in_process_launch(accelerate_config: str | os.PathLike | None) -> Iterator[N
     (scripts/sft.py under `accelerate launch`) or there is none (a single process without FSDP)."""
     rank, world_size = caller_world()
     group_before = dist.is_available() and dist.is_initialized()
-    failed = True
+    error: BaseException | None = None
     with _restored_environment(), _visible_logs():
         try:
             if accelerate_config is not None:
@@ -207,9 +199,11 @@ def in_process_launch(accelerate_config: str | os.PathLike | None) -> Iterator[N
             if world_size > 1 and not group_before:
                 _start_process_group(rank, world_size)  # accelerate then uses it
             yield
-            failed = False
+        except BaseException as raised:
+            error = raised
+            raise
         finally:
-            _end_active_mlflow_run(failed)
+            end_active_mlflow_run(error)  # FINISHED, or FAILED / KILLED (preempted): the next call starts its own
             _reset_accelerate_state()
             if not group_before and dist.is_available() and dist.is_initialized():
                 _leave_together()

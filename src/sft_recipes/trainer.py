@@ -24,6 +24,7 @@ from sft_recipes.fault.output_disk import check_room_before_save, saved_or_refus
 from sft_recipes.fault.uneven_shards import EndOfDataTogetherMixin
 from sft_recipes.fault.world_size import whole_global_batches
 from sft_recipes.metrics import ThroughputMeter, real_tokens_and_attention_length
+from sft_recipes.reporting.data_wait import DataWaitMixin
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +39,11 @@ class BlockLoader(DataLoader):
         return self.dataset.micro_batches_per_pass
 
 
-class RecipeSFTTrainer(TokenWeightedEvalMixin, EndOfDataTogetherMixin, SFTTrainer):
+class RecipeSFTTrainer(DataWaitMixin, TokenWeightedEvalMixin, EndOfDataTogetherMixin, SFTTrainer):
     """SFTTrainer that can also train on a `RankLocalBlockStream`, ends every pass over per-rank
     streamed shards on the same step on every rank (`EndOfDataTogetherMixin`), and reports eval loss
-    as the token-weighted mean over every rank (`TokenWeightedEvalMixin`).
+    as the token-weighted mean over every rank (`TokenWeightedEvalMixin`), and times its waits for data
+    (`DataWaitMixin`: the closing line's s/step leaves them out otherwise).
 
     The stream is already sharded per rank, so accelerate must not shard it again (it would make
     every rank read, and tokenize, the whole stream): `get_train_dataloader` serves it directly.

@@ -41,7 +41,8 @@ of rules (see docs/ai-runtime.md):
    processes per node of that config; the recipe, with `parameters:` and the command's `--key value`
    applied, loads, and its `--dry-run` plan fits the GPU type (else: the shortfall in GiB and a
    variant from the recipe header that fits); a gated model needs an HF_TOKEN secret; output_dir off
-   /Volumes/ is a warning (the container's disk is gone after the run); `parameters:` keys must be
+   /Volumes/ is a warning (the container's disk is gone after the run), and so are the shipped workloads'
+   placeholders left in place (`my_scope/...` secrets, the /Volumes/main/default/ volume); `parameters:` keys must be
    recipe keys; dependencies must not contradict requirements.txt; experiment_name must be the
    recipe's mlflow_experiment_name when it logs to MLflow; retries (max_retries, 3 when unset) need
    `resume_from_checkpoint: auto`, or every retry starts over.
@@ -96,6 +97,10 @@ _VERSION = re.compile(r"^(databricks_ai_v)?([0-9]+)$")
 
 # Hub repositories that are gated (a token of an account that accepted the license downloads them).
 GATED_MODEL_PREFIXES = ("meta-llama/", "google/gemma")
+# The shipped workloads' stand-ins for what only their user knows: a secret scope, and a Unity Catalog volume
+# (catalog `main`, schema `default`). They pass every rule, so the check warns that they are to be replaced.
+PLACEHOLDER_SECRET_SCOPE = "my_scope/"
+PLACEHOLDER_VOLUME = "/Volumes/main/default/"
 LAUNCHER = "scripts/launch_multinode.sh"
 
 
@@ -506,6 +511,11 @@ def cross_file_problems(workload: Mapping, workload_path: Path, model_config: st
     root = (workload_path.parent / str(snapshot.get("root_path") or ".")).resolve()
     problems: list[Problem] = []
 
+    for name, reference in secrets.items():
+        if str(reference).startswith(PLACEHOLDER_SECRET_SCOPE):
+            problems.append(Problem(f"secrets.{name} {reference!r} is the example's placeholder: replace it with the "
+                                    "scope/key of your Databricks secret (`databricks secrets list-scopes`)",
+                                    warning=True))
     owners = recipe_field_owners()
     for key in parameters:
         if key in SECRET_KEYS:
@@ -552,7 +562,8 @@ def cross_file_problems(workload: Mapping, workload_path: Path, model_config: st
                  if key in owners and key not in SECRET_KEYS}  # the others are reported above
     try:
         with _runtime_environment(env_variables):  # the recipe's ${VAR:-default} as the runtime expands them
-            recipe = load_recipe(recipe_path, overrides, planning=True, overrides_source="workload")
+            recipe = load_recipe(recipe_path, overrides, planning=True, overrides_source="workload", override_origins={
+                key: f"{workload_path.name} {'command' if key in command else 'parameters:'}" for key in overrides})
     except RecipeError as err:
         problems.append(Problem(f"the recipe with parameters and the command's overrides does not load: {err}"))
         return problems
@@ -569,7 +580,13 @@ def cross_file_problems(workload: Mapping, workload_path: Path, model_config: st
         problems.append(Problem(f"{model} is gated on the Hugging Face Hub and the workload has no HF_TOKEN secret{where}: "
                                 "add `secrets: {HF_TOKEN: my_scope/hf_token}`"))
     output_dir = str(values.get("output_dir", ""))
-    if not output_dir.startswith("/Volumes/"):
+    if output_dir.startswith(PLACEHOLDER_VOLUME):
+        built = "output_dir" not in overrides and {"UC_CATALOG", "UC_SCHEMA"} <= set(env_variables)  # gpt-oss's
+        fix = ("set env_variables UC_CATALOG, UC_SCHEMA and UC_VOLUME to a volume you can write" if built else
+               "set parameters.output_dir to a volume you can write, /Volumes/<catalog>/<schema>/<volume>/...")
+        problems.append(Problem(f"output_dir {output_dir!r} is the example's placeholder volume (catalog main, schema "
+                                f"default): {fix}", warning=True))
+    elif not output_dir.startswith("/Volumes/"):
         problems.append(Problem(f"output_dir {output_dir!r} is not on a /Volumes/ path: the container's disk is gone "
                                 "after the run; set parameters.output_dir: /Volumes/<catalog>/<schema>/<volume>/...",
                                 warning=True))

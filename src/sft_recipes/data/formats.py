@@ -51,11 +51,13 @@ from sft_recipes.data.masking import KEPT, TRUNCATED_AWAY, check_renders_tools, 
 from sft_recipes.data.report import DataReport
 from sft_recipes.data.rows import (
     INVALID_TOOL_CALL,
+    MESSAGES_NOT_STRINGS,
     MISSING_FIELD,
     NO_ASSISTANT_TURN,
     NO_TRAINABLE_TOKENS,
     NOT_A_STRING,
     OVERLONG,
+    STRINGS_NOT_MESSAGES,
     UNKNOWN_ROLE,
     messages_problem,
     text_problem,
@@ -390,6 +392,9 @@ class PromptCompletionFormat(_TokenizedAsTrl):
     required = frozenset({"prompt", "completion"})
 
     def row_problem(self, row):
+        if any(isinstance(value, list) and value and all(isinstance(message, dict) for message in value)
+               for value in (row.get("prompt"), row.get("completion"))):
+            return MESSAGES_NOT_STRINGS  # conversational: prompt_completion_chat reads them
         return text_problem(row.get("prompt"), required=False) or text_problem(row.get("completion"))
 
     def texts(self, rows, eos):
@@ -430,8 +435,10 @@ class PromptCompletionChatFormat(_ConvertedChat):
         prompt, completion = row.get("prompt"), row.get("completion")
         if prompt is None or completion is None:
             return MISSING_FIELD
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return STRINGS_NOT_MESSAGES  # dataset_format: prompt_completion reads them
         if not isinstance(prompt, list) or not isinstance(completion, list):
-            return NOT_A_STRING  # strings: dataset_format prompt_completion
+            return NOT_A_STRING
         if not any(isinstance(message, dict) and message.get("role") == "assistant" for message in completion):
             return NO_ASSISTANT_TURN
         context = [{**message, "train": False} if isinstance(message, dict) and message.get("role") == "assistant"

@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sft_recipes.data.rows import REASON_FIXES
 from sft_recipes.errors import RecipeError
 
 if TYPE_CHECKING:
@@ -85,7 +86,8 @@ class DataReport:
             raise RecipeError(
                 f"Refusing to go on: {self.dropped_share:.2%} of the rows of {self.source} are dropped, more than "
                 f"max_dropped_share={max_dropped_share} ({self.describe_stream()}; summed over every rank, judged from "
-                f"{MIN_ROWS_BEFORE_DROP_LIMIT} rows read or at the end of the stream). Fix the rows, check "
+                f"{MIN_ROWS_BEFORE_DROP_LIMIT} rows read or at the end of the stream). "
+                f"{self.format_that_fits()}Fix the rows, check "
                 "dataset_format and the chat template (`.venv/bin/python scripts/sft.py RECIPE --audit-data 5` shows rows), or raise "
                 "max_dropped_share if dropping them is intended."
             )
@@ -128,16 +130,23 @@ class DataReport:
             return
         # One line (the `error:` line a user reads last): the report's counts and its first row of each reason.
         counts = "; ".join(line.strip() for line in self.format().splitlines()).removeprefix("[data] ")
+        fits = self.format_that_fits()
         if self.kept == 0 or self.kept_supervised_tokens == 0:
             what = "no row is left" if self.kept == 0 else "the rows left have no trainable (supervised) token"
-            raise RecipeError(f"Refusing to train: {what} ({counts}). Fix the dataset (or dataset_format, "
+            raise RecipeError(f"Refusing to train: {what} ({counts}). {fits}Fix the dataset (or dataset_format, "
                               "max_length, completion_only_loss) so that rows carry a target to learn.")
         if self.dropped_share > max_dropped_share:
             raise RecipeError(
                 f"Refusing to train: {self.dropped_share:.2%} of the rows are bad, more than max_dropped_share="
-                f"{max_dropped_share} ({counts}). Fix the rows, check dataset_format, or raise max_dropped_share "
+                f"{max_dropped_share} ({counts}). {fits}Fix the rows, check dataset_format, or raise max_dropped_share "
                 "if dropping them is intended."
             )
+
+    def format_that_fits(self) -> str:
+        """The fix of a drop reason that names the format reading those rows (`rows.REASON_FIXES`), as a sentence."""
+        dropped = self.dropped + self.stream_dropped
+        fixes = [REASON_FIXES[reason] for reason in sorted(dropped) if reason in REASON_FIXES]
+        return "".join(f"{fix[0].upper()}{fix[1:]}. " for fix in fixes)
 
 
 def report_params(summary: dict[str, Any], prefix: str = "data.") -> dict[str, Any]:
@@ -175,6 +184,10 @@ class MixtureReport:
     sources: list[SourceReport] = field(default_factory=list)
     streamed: bool = False
     packed: bool = False  # read by the packed block stream: tokens counted while training
+    # packed: the supervised tokens inside the blocks the steps trained, all ranks (the sum of the ranks'
+    # `[data] ... trained on` lines). The sources' counts take each conversation whole when read, so they
+    # also hold the part of the last conversations that fell past the last block trained.
+    supervised_tokens_in_trained_blocks: int | None = None
 
     def _share(self, source: SourceReport) -> float | None:
         counted = [s.supervised_tokens for s in self.sources]
@@ -209,6 +222,7 @@ class MixtureReport:
                 "tokens": None if None in [s.tokens for s in self.sources] else sum(s.tokens for s in self.sources),
                 "supervised_tokens": None if None in supervised else sum(supervised), "streamed": self.streamed,
                 "eval_rows": sum(s.eval_rows for s in self.sources),
+                "supervised_tokens_in_trained_blocks": self.supervised_tokens_in_trained_blocks,
                 "sources": [self.source_dict(s) for s in self.sources]}
 
     def mlflow_params(self) -> dict[str, Any]:
@@ -245,6 +259,12 @@ class MixtureReport:
                          f"{source.mixture_rows:,}{available}{repeated}") + f"{fraction}, {counted}"
                 drawn = f"{'in the mixture' if mixture else 'drawn for training'}: {drawn}"
             lines.append(f"  {drawn}; eval rows {source.eval_rows:,}")
+        if self.supervised_tokens_in_trained_blocks is not None:
+            read = sum(source.supervised_tokens or 0 for source in self.sources)
+            lines.append(f"[data] trained: {self.supervised_tokens_in_trained_blocks:,} supervised tokens in the "
+                         "blocks the steps ran (as `all ranks trained on` says); the other "
+                         f"{read - self.supervised_tokens_in_trained_blocks:,} of the {read:,} read were in the last "
+                         "conversations' parts past the last block")
         return "\n".join(lines)
 
     def enforce(self, max_dropped_share: float) -> None:
@@ -254,6 +274,7 @@ class MixtureReport:
     def count_stream(self, total: StreamStats, stream_ended: bool, max_dropped_share: float) -> None:
         """Take the packed stream's running counts per source (all ranks); RecipeError when a source's share
         of dropped rows is too high."""
+        self.supervised_tokens_in_trained_blocks = total.supervised_tokens
         for index, source in enumerate(self.sources):
             counts = total.sources.get(index)
             if counts is None:  # nothing of it read yet

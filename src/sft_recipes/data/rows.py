@@ -26,6 +26,9 @@ Each dropped row is counted under the first reason that applies:
   row's `tools` do not define), `orphan_tool_result` (a `role: tool` message that answers no call made
   before it). An assistant message with `tool_calls` may have no content. The masking adds
   `several_tool_calls` for a template that renders one call per message (`masking.py`).
+- `messages_not_strings`, `strings_not_messages`: TRL's prompt/completion in the other of its two shapes
+  (`prompt_completion` given message lists, `prompt_completion_chat` given strings); the refusal of a
+  source dropped for them names the format that reads them (`REASON_FIXES`).
 - `invalid_train_flag`: a message's `train` that is not true/false, or a `weight` other than 0 or 1 (a message
   with `train: false` or `weight: 0` stays in the context and out of the loss; `masking.py`).
 - vision_messages rows: `image_count_mismatch`, `misplaced_image`, `missing_image`, `unreadable_image`,
@@ -52,6 +55,9 @@ INVALID_TOOL_ARGUMENTS = "invalid_tool_arguments"
 UNKNOWN_TOOL = "unknown_tool"
 ORPHAN_TOOL_RESULT = "orphan_tool_result"
 INVALID_TRAIN_FLAG = "invalid_train_flag"
+# prompt/completion in the other of TRL's two shapes
+MESSAGES_NOT_STRINGS = "messages_not_strings"
+STRINGS_NOT_MESSAGES = "strings_not_messages"
 # vision_messages rows (`vision.py`): image parts vs images, an image where it cannot be, the image files themselves.
 IMAGE_COUNT_MISMATCH = "image_count_mismatch"
 MISPLACED_IMAGE = "misplaced_image"
@@ -60,8 +66,15 @@ UNREADABLE_IMAGE = "unreadable_image"
 IMAGE_SIZE = "image_size"
 ROW_DROP_REASONS = (INVALID_JSON, NOT_UTF8, MISSING_FIELD, NOT_A_STRING, EMPTY_CONTENT, UNKNOWN_ROLE, NO_ASSISTANT_TURN, OVERLONG,
                     NO_TRAINABLE_TOKENS, INVALID_TOOLS, INVALID_TOOL_CALL, INVALID_TOOL_ARGUMENTS, UNKNOWN_TOOL,
-                    ORPHAN_TOOL_RESULT, INVALID_TRAIN_FLAG, IMAGE_COUNT_MISMATCH, MISPLACED_IMAGE, MISSING_IMAGE, UNREADABLE_IMAGE,
+                    ORPHAN_TOOL_RESULT, INVALID_TRAIN_FLAG, MESSAGES_NOT_STRINGS, STRINGS_NOT_MESSAGES,
+                    IMAGE_COUNT_MISMATCH, MISPLACED_IMAGE, MISSING_IMAGE, UNREADABLE_IMAGE,
                     IMAGE_SIZE)
+
+# A reason that says which format reads the rows: a refusal of a source dropped for it ends with this fix.
+REASON_FIXES = {
+    MESSAGES_NOT_STRINGS: "prompt and completion are message lists: set dataset_format: prompt_completion_chat",
+    STRINGS_NOT_MESSAGES: "prompt and completion are strings: set dataset_format: prompt_completion",
+}
 
 # A streamed dataset read for a packed block stream keeps its bad rows, each flagged with its drop
 # reason in this column (None on good rows), so the reader that meets one counts it (`blocks.py`).

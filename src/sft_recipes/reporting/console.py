@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -166,25 +167,38 @@ class _TrainLog:
     finished run's re-run (nothing to train) writes nothing."""
 
     def __init__(self, path: Path, rank: int):
-        self.path, self.rank, self._held, self._file = path, rank, [], None
+        self.path, self.rank, self._held, self._file, self._lost = path, rank, [], None, False
 
     def write(self, text: str) -> None:
+        if self._lost:
+            return
         if self._file is None:
             self._held.append(text)
         else:
-            self._file.write(text)
+            self._guarded(self._file.write, text)
 
     def flush(self) -> None:
         if self._file is not None:
-            self._file.flush()
+            self._guarded(self._file.flush)
 
     def keep(self) -> None:
-        if self._file is None and self.rank == 0:
+        if self._file is None and self.rank == 0 and not self._lost:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 -- open for the life of the process
-            self._file.write("".join(self._held))
+            self._guarded(self._file.write, "".join(self._held))
             self._held.clear()
-            self._file.flush()
+            self.flush()
+
+    def _guarded(self, write, *text: str) -> None:
+        """A log that cannot be written (the disk under output_dir filled, e.g. during a save) is given up: the
+        console goes on, and a refusal printed through the tee (`No room for ...`) still reaches it and exits 2,
+        instead of an OSError raised inside the refusal's own print (`Error in sys.excepthook`, exit 1)."""
+        try:
+            write(*text)
+        except OSError:
+            self._lost, file, self._file = True, self._file, None
+            with contextlib.suppress(OSError):  # its buffer cannot be written either: dropped, not raised at exit
+                file.close()
 
     def refused(self, line: str) -> None:
         try:

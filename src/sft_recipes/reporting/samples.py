@@ -40,6 +40,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from sft_recipes.architectures.sequence_parallel import sequence_parallel_suspended
+from sft_recipes.reporting.replies import shown_reply
 from sft_recipes.reporting.vision_samples import (
     ImagePrompt, prompt_json, recipe_image_prompt, row_image_prompt, shown_prompt,
 )
@@ -233,7 +234,8 @@ def generate_answers(model, tokenizer, prompts: list[Prompt], max_new_tokens: in
             prefill = dict(prompt.prefill)
             ids = prefill.pop("input_ids")[0].tolist()
             [generated[index]] = greedy_generate(model, [ids], max_new_tokens, stops, pad_id, in_lockstep, prefill)
-    return [tokenizer.decode(generated[index], skip_special_tokens=True).strip() for index in range(len(prompts))]
+    return [shown_reply(tokenizer.decode(generated[index], skip_special_tokens=True)).strip()
+            for index in range(len(prompts))]
 
 
 def samples_markdown(prompts: list[Prompt], before: list[str] | None, after: list[str], style: str = "chat",

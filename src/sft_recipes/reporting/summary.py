@@ -9,6 +9,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from sft_recipes.reporting.data_wait import per_step_text
+
 
 class RunSummaryCallback(TrainerCallback):
     """Collect per-step losses and timing on rank 0 for run_summary.json and the closing line."""
@@ -76,7 +78,8 @@ class RunSummaryCallback(TrainerCallback):
                 self.last_metrics[key] = float(logs[key])
 
     def finish(self, train_seconds: float, output_dir: Path, logit_diff: float | None, resumed_from: str | None,
-               distributed: str) -> dict[str, Any]:
+               distributed: str, data_wait_seconds: float = 0.0) -> dict[str, Any]:
+        """`data_wait_seconds`: rank 0's time fetching micro-batches (`data_wait.DataWaitMixin`), outside the steps."""
         steps_run = len(self.step_seconds)
         return {
             "distributed": distributed,
@@ -90,6 +93,7 @@ class RunSummaryCallback(TrainerCallback):
             "world_size_at_checkpoint": self.world_size_at_checkpoint,  # null: fresh, or an older marker
             "train_seconds": round(train_seconds, 3),
             "seconds_per_step": round(sum(self.step_seconds) / steps_run, 4) if steps_run else None,
+            "seconds_waiting_for_data_per_step": round(data_wait_seconds / steps_run, 4) if steps_run else None,
             "tokens_seen": self.tokens_seen,
             "final_loss": self.losses[max(self.losses)] if self.losses else None,
             "losses": {str(step): loss for step, loss in sorted(self.losses.items())},
@@ -110,7 +114,7 @@ class RunSummaryCallback(TrainerCallback):
     @staticmethod
     def closing_line(report: dict[str, Any]) -> str:
         loss = f"{report['final_loss']:.4f}" if report["final_loss"] is not None else "n/a"
-        per_step = f"{report['seconds_per_step']:.2f}s/step" if report["seconds_per_step"] else "n/a"
+        per_step = per_step_text(report["seconds_per_step"], report.get("seconds_waiting_for_data_per_step"))
         speed = report["tokens_per_second_per_device"]
         throughput = f", {speed:,.0f} tokens/s/device" if speed else ""
         mfu = f", MFU {report['mfu']:.1%}" if report["mfu"] else ""

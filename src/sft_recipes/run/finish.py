@@ -12,6 +12,7 @@ from typing import Any
 from sft_recipes.architectures.sequence_parallel import sequence_parallel_suspended
 from sft_recipes.errors import RecipeError
 from sft_recipes.export import copy_processor_files, export_run
+from sft_recipes.reporting.data_wait import data_wait_warning
 from sft_recipes.reporting.export_check import ExportCheck
 from sft_recipes.reporting.load_export import load_export
 from sft_recipes.reporting.run_end import report_run_end
@@ -72,7 +73,8 @@ def finish(run: Run, training: Training) -> RunResult:
     if not run.is_main:
         return result
     copy_processor_files(run.source.path, output_dir)  # a VLM's image processor: the export loads as it came in
-    report = summary.finish(training.seconds, output_dir, logit_diff, training.resumed_from, training.layout)
+    report = summary.finish(training.seconds, output_dir, logit_diff, training.resumed_from, training.layout,
+                            trainer.data_wait_seconds)
     # How to prompt the export as it was trained, and whether it is a random stand-in (scripts/show_run.py reads both)
     report.update(prompt_style=prompt_style(recipe.data), stand_in_note=random_stand_in(recipe.model.model_name_or_path))
     Path(output_dir, "run_summary.json").write_text(json.dumps(report, indent=2))
@@ -80,5 +82,9 @@ def finish(run: Run, training: Training) -> RunResult:
         samples_after(load_export(output_dir)[0])
     report_run_end(recipe, trainer.state, run.source.path, output_dir, result.export_check,
                    summary.mlflow_run_id, run.hub_push)
+    waiting = data_wait_warning(report["seconds_per_step"], report["seconds_waiting_for_data_per_step"],
+                                recipe.training.dataloader_num_workers)
+    if waiting:
+        print(waiting, flush=True)
     print(summary.closing_line(report), flush=True)
     return dataclasses.replace(result, summary=report)

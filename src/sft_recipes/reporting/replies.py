@@ -1,0 +1,69 @@
+"""A model's reply as chat and samples show it: without an empty thinking block, and without a line per kernel.
+
+- Qwen3.5's template renders every non-reasoning assistant turn with an empty `<think>\n\n</think>\n\n` (its
+  non-thinking form), and its default generation prompt leaves thinking on, so a model tuned on such rows
+  starts each reply with that empty block. `<think>` and `</think>` are not special tokens, so
+  `skip_special_tokens` keeps them. A block with reasoning inside is kept: it is the model's.
+- transformers says, once per kernel, that a missing GPU kernel package (`causal_conv1d`,
+  `flash-linear-attention`) falls back to its reference PyTorch implementation: four lines before every Qwen3.5
+  answer on CPU. One line says it instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+
+from transformers import TextStreamer
+
+EMPTY_THINKING = re.compile(r"^\s*<think>\s*</think>\s*")
+KERNEL_FALLBACK = "is falling back to its reference PyTorch implementation"
+KERNELS_LOGGER = "transformers.integrations.hub_kernels"
+
+
+def shown_reply(text: str) -> str:
+    """The reply without a leading empty thinking block."""
+    return EMPTY_THINKING.sub("", text, count=1)
+
+
+class ReplyStreamer(TextStreamer):
+    """TextStreamer that holds a reply's start back while it may still be an empty thinking block, then prints the
+    reply as `shown_reply` gives it; the rest streams as it comes."""
+
+    def __init__(self, tokenizer, **kwargs):
+        super().__init__(tokenizer, **kwargs)
+        self._held: str | None = ""  # None once the start is decided
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        if self._held is None:
+            return super().on_finalized_text(text, stream_end)
+        self._held += text
+        start = self._held.lstrip()
+        undecided = "<think>".startswith(start) or (start.startswith("<think>") and "</think>" not in start)
+        if undecided and not stream_end:
+            return None
+        held, self._held = shown_reply(self._held), None
+        return super().on_finalized_text(held, stream_end)
+
+
+class _OneKernelLine(logging.Filter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if KERNEL_FALLBACK not in record.getMessage():
+            return True
+        if not self.said:
+            self.said = True
+            print("[kernels] causal_conv1d / flash-linear-attention are not installed (GPU-only packages): their "
+                  "reference PyTorch implementations run (correct, slower)", file=sys.stderr, flush=True)
+        return False
+
+
+def one_kernel_fallback_line() -> logging.Filter:
+    """From now on transformers' kernel fall-back warnings are one line, said at the first (the filter returned)."""
+    one_line = _OneKernelLine()
+    logging.getLogger(KERNELS_LOGGER).addFilter(one_line)
+    return one_line

@@ -1,0 +1,60 @@
+"""What chat and samples show of a reply: no empty `<think></think>` block (Qwen3.5's non-thinking turns), one line
+for transformers' kernel fall-backs instead of one per kernel."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from sft_recipes.reporting.replies import KERNELS_LOGGER, ReplyStreamer, one_kernel_fallback_line, shown_reply
+
+
+def test_an_empty_thinking_block_is_not_shown_a_full_one_is():
+    assert shown_reply("<think>\n\n</think>\n\nParis.") == "Paris."
+    assert shown_reply("<think>\nThe capital.\n</think>\n\nParis.") == "<think>\nThe capital.\n</think>\n\nParis."
+    assert shown_reply("Paris. <think></think>") == "Paris. <think></think>"  # only a reply's start
+
+
+@pytest.mark.parametrize(("chunks", "shown"), [
+    (["<th", "ink>\n", "\n</think>\n\n", "Paris ", "is it."], "Paris is it.\n"),
+    (["<think>\nThe ", "capital.\n</think>\n\n", "Paris."], "<think>\nThe capital.\n</think>\n\nParis.\n"),
+    (["Paris ", "is it."], "Paris is it.\n"),
+    (["<think>\n\n"], "<think>\n\n\n"),  # the stream ended inside the block: nothing held back
+])
+def test_the_streamed_reply_holds_back_only_a_start_that_may_be_an_empty_block(chunks, shown, capsys):
+    streamer = ReplyStreamer(tokenizer=None)
+    printed = []
+    for chunk in chunks:
+        streamer.on_finalized_text(chunk)
+        printed.append(capsys.readouterr().out)
+    streamer.on_finalized_text("", stream_end=True)
+    assert "".join(printed) + capsys.readouterr().out == shown
+    if chunks[0] == "Paris ":
+        assert printed[0] == "Paris "  # a plain reply streams from its first word
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_kernel_fall_backs_are_one_line(capsys):
+    logger, records = logging.getLogger(KERNELS_LOGGER), Records()
+    one_line = one_kernel_fallback_line()
+    logger.addHandler(records)
+    try:
+        for kernel in ("causal_conv1d_fn", "chunk_gated_delta_rule", "causal_conv1d_update"):
+            logger.warning("`%s` is falling back to its reference PyTorch implementation because ...", kernel)
+        logger.warning("another warning")
+    finally:
+        logger.removeFilter(one_line)
+        logger.removeHandler(records)
+    assert records.messages == ["another warning"]
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "[kernels] causal_conv1d / flash-linear-attention are not installed (GPU-only packages): their reference "
+        "PyTorch implementations run (correct, slower)")
