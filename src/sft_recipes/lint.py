@@ -275,6 +275,21 @@ def activation_offloading_without_accelerator(recipe: Recipe, ctx: LintContext) 
     return None
 
 
+def benchmark_tasks_that_cannot_be_scored(recipe: Recipe, ctx: LintContext) -> str | None:
+    """eval_tasks read now (task names, task files, metrics, the gate's tasks), not after training."""
+    training = recipe.training
+    if not training.eval_tasks and training.eval_max_regression is None:
+        return None
+    from sft_recipes.scores.tasks import check_max_regression, parse_tasks  # lm_eval only for a recipe with tasks
+
+    try:
+        tasks = parse_tasks(training.eval_tasks, training.eval_limit, training.eval_num_fewshot)
+        check_max_regression(training.eval_max_regression, tasks)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 RULES = (
     activation_checkpointing_twice,
     trl_packing_with_block_packing,
@@ -298,6 +313,7 @@ RULES = (
     sequence_parallel_without_global_token_count,
     parallelism_config_these_recipes_cannot_run,
     activation_offloading_without_accelerator,
+    benchmark_tasks_that_cannot_be_scored,
 )
 
 
