@@ -39,6 +39,7 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--apply_chat_template", action="store_true", help="prompt through the chat template")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="lm-eval's seeds (few-shot choice); the recipes' seed")
+    parser.add_argument("--device", help="where the model runs (default: cuda when there is a GPU, else cpu)")
     parser.add_argument("--revision", help="a Hub model's revision")
     parser.add_argument("--cache_dir", help="reuse and keep scores here (a recipe's eval_cache_dir); default: none")
     parser.add_argument("--output", help=f"results JSON (default: MODEL/{RESULTS_FILE} for a folder, else ./"
@@ -84,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     settings = EvalSettings(batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
                             apply_chat_template=args.apply_chat_template, seed=args.seed)
     model, tokenizer = load_model(args.model, args.revision)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = model.to(args.device)
     scores = score_model(model, tokenizer, tasks, settings, args.cache_dir, model_key(args.model, args.revision))
     print(console_table(scores))
     output = Path(args.output) if args.output else (

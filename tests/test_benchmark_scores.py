@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from conftest import REALWORLD, REPO_ROOT, TINY_LLAMA_RECIPE, bin_path, launch_sft, read_summary, run_command
+from sft_recipes.loading import resolve_model_path
 from sft_recipes.preflight_launch import recipe_refusal
 from sft_recipes.scores.compare import Comparison, markdown_table, regression_refusal
 from sft_recipes.scores.tasks import SHIPPED_TASKS_DIR, parse_tasks
@@ -116,7 +117,8 @@ def test_an_export_that_cannot_be_scored_is_one_refusal_and_stays(tmp_path):
     (export / "config.json").write_text('{"model_type": "llama"}')  # an export whose weights are gone
     training = SimpleNamespace(eval_tasks=["alpaca_answers"], eval_limit=2, eval_num_fewshot=None,
                                per_device_eval_batch_size=2, eval_max_gen_toks=None, eval_apply_chat_template=False,
-                               seed=0, eval_cache_dir=str(tmp_path / "cache"), eval_max_regression=None)
+                               seed=0, eval_cache_dir=str(tmp_path / "cache"), eval_max_regression=None,
+                               device="cpu")
     run = SimpleNamespace(recipe=SimpleNamespace(training=training, model=SimpleNamespace(model_name_or_path="x")))
     benchmarks = score_run(run, export)
     assert benchmarks.rows == [] and benchmarks.refusal.startswith("scoring the export on eval_tasks failed (")
@@ -172,6 +174,30 @@ def test_run_scores_base_and_tuned_refuses_a_regression_and_evaluate_py_agrees(t
     assert tasks["alpaca_answers"]["stderr"] == alpaca["tuned_stderr"]
     assert re.search(rf"^alpaca_answers\s+acc,none\s+{alpaca['tuned']:.4f}\s", scored.stdout, re.M), scored.stdout
 
+    # the base, by its folder: without the cache the run's base score again; with the run's cache, read from it
+    base = resolve_model_path("tiny:llama")
+    for cache_args in ([], ["--cache_dir", str(cache)]):
+        scored = run_command([bin_path("python"), "scripts/evaluate.py", base, "--tasks", "alpaca_answers", "--limit",
+                              "6", "--batch_size", "4", "--max_gen_toks", "4", "--output", str(tmp_path / "b.json"),
+                              *cache_args])
+        assert scored.returncode == 0, scored.stderr[-3000:]
+        assert json.loads((tmp_path / "b.json").read_text())["tasks"]["alpaca_answers"]["value"] == alpaca["base"]
+        assert ("alpaca_answers: " in scored.stderr and "from the cache" in scored.stderr) == bool(cache_args)
+
     shown = run_command([bin_path("python"), "scripts/show_run.py", str(out)])
     assert (f"  benchmarks         alpaca_answers acc,none: base {alpaca['base']:.4f} -> tuned {alpaca['tuned']:.4f} "
             f"({alpaca['change']:+.4f}) REGRESSED\n") in shown.stdout, shown.stdout[-2000:]
+
+
+def test_demo_real_scores_base_and_tuned_and_shows_them():
+    from sft_recipes.config import load_recipe
+
+    training = load_recipe(REPO_ROOT / "recipes" / "smollm2-135m.yaml", planning=True).training
+    tasks = parse_tasks(training.eval_tasks, training.eval_limit, training.eval_num_fewshot)
+    assert [(t.name, t.limit) for t in tasks] == [("alpaca_answers", None), ("gsm8k_local", 10)]
+    assert (training.eval_apply_chat_template, training.eval_max_gen_toks) == (True, 192)
+    dry = run_command(["make", "-n", "-o", ".venv/.installed", "-o", ".venv/.installed-eval", "-o", ".venv/.installed-real",
+                       "demo-real"], launcher="real")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.splitlines()[-2:] == [".venv/bin/python scripts/show_run.py outputs/demo-real",
+                                            "cat outputs/demo-real/samples.md"]  # show_run prints base -> tuned

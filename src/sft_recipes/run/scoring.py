@@ -64,12 +64,13 @@ def score_run(run, output_dir: str | Path) -> Benchmarks:
     scored = "the export"
     try:
         model, tokenizer = load_export(output_dir)
+        model = model.to(training.device)  # rank 0's device: its GPU on a GPU launch (a full copy of the model)
         model.config.use_cache = True  # generation tasks; the export saved the training setting (off)
         tuned = score_model(model, tokenizer, tasks, settings, training.eval_cache_dir, model_key(str(output_dir)))
         del model
         gc.collect()
         scored = f"the base model {model_args.model_name_or_path}"
-        model, tokenizer = run.source.load_model().eval(), run.source.load_tokenizer()
+        model, tokenizer = run.source.load_model().eval().to(training.device), run.source.load_tokenizer()
         model.config.use_cache = True
         base = score_model(model, tokenizer, tasks, settings, training.eval_cache_dir,
                            model_key(run.source.path, model_args.model_revision))
