@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from conftest import REALWORLD, REPO_ROOT, TINY_LLAMA_RECIPE, bin_path, launch_sft, read_summary, run_command
+from fault_helpers import rank_exit_codes
 from sft_recipes.loading import resolve_model_path
 from sft_recipes.preflight_launch import recipe_refusal
 from sft_recipes.scores.compare import Comparison, markdown_table, regression_refusal
@@ -69,6 +70,10 @@ def test_bad_tasks_are_refused_with_what_to_write(tmp_path):
                                          r"acc_norm,none \(metric,filter\)"):
         parse_tasks([{"task": "alpaca_answers", "metric": "f1"}])
     assert [t.name for t in parse_tasks(["gsm8k"])] == ["gsm8k"]  # lm-eval's registry task, by name (Hub data)
+    # IFEval's checkers need packages lm-eval does not install and nltk data it cannot download offline
+    with pytest.raises(ValueError, match=r"^eval_tasks: ifeval needs (immutabledict, langdetect: \.venv/bin/pip install "
+                                         r"'lm-eval\[ifeval\]==0\.4\.13'|nltk's punkt_tab data)"):
+        parse_tasks(["ifeval"])
 
 
 def test_a_bad_task_is_refused_by_the_launch_preflight_before_any_process_starts():
@@ -132,13 +137,13 @@ def test_run_scores_base_and_tuned_refuses_a_regression_and_evaluate_py_agrees(t
     # Gate: the tuned model must GAIN more than 1.0 (eval_max_regression -1.0), which no accuracy can: the run is
     # made to fail its gate on purpose; with push_to_hub set, a push would be tried (and fail) if the gate let it.
     result = launch_sft(TINY_LLAMA_RECIPE, "--max_steps", "2", "--output_dir", str(out), "--report_to", "none",
-                        "--save_strategy", "no", "--sample_prompts", "[]",
+                        "--save_strategy", "'no'", "--sample_prompts", "[]",
                         "--eval_tasks", "[{task: alpaca_answers, limit: 6}, {task: gsm8k_local, limit: 2}]",
                         "--eval_max_gen_toks", "4", "--per_device_eval_batch_size", "4",
                         "--eval_cache_dir", str(cache), "--eval_max_regression", "{alpaca_answers: -1.0}",
                         "--push_to_hub", "true", "--hub_model_id", "me/tiny-benchmarks",
                         env={"HF_TOKEN": FAKE_TOKEN}, check=False)
-    assert result.returncode == 2, result.stderr[-3000:]
+    assert rank_exit_codes(result.stderr) == {0: 2, 1: 2}, result.stderr[-3000:]  # every rank refused
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     summary = read_summary(out)
     rows = summary["benchmarks"]["tasks"]

@@ -170,6 +170,8 @@ def parse_task(entry: Any, default_limit: int | None, default_fewshot: int | Non
         task = EvalTask(config["task"], config, limit, fewshot, settings.get("metric"))
         available = metric_keys(config)
     elif entry in registry_names():
+        if entry.startswith("ifeval"):
+            refuse_ifeval_without_its_data()
         task, available = EvalTask(entry, None, limit, fewshot, settings.get("metric")), None
     else:
         import difflib
@@ -186,6 +188,24 @@ def parse_task(entry: Any, default_limit: int | None, default_fewshot: int | Non
             raise ValueError(f"eval_tasks: task {task.name!r} reports no metric {task.metric!r}: it reports "
                              f"{', '.join(available)} (metric,filter)")
     return task
+
+
+def refuse_ifeval_without_its_data() -> None:
+    """IFEval's checkers import packages lm-eval does not install and count sentences with nltk's punkt_tab data,
+    which lm-eval downloads at import (offline: the download fails, and the evaluation stops with LookupError at
+    its first sentence-count check, after training). Refused now instead."""
+    missing = [name for name in ("immutabledict", "langdetect", "nltk") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(f"eval_tasks: ifeval needs {', '.join(missing)}: .venv/bin/pip install "
+                         "'lm-eval[ifeval]==0.4.13' (docs/evaluation.md)")
+    import nltk
+
+    try:
+        nltk.data.find("tokenizers/punkt_tab")
+    except LookupError:
+        raise ValueError("eval_tasks: ifeval needs nltk's punkt_tab data, which is not on this machine (lm-eval "
+                         "would try to download it and fail offline): run .venv/bin/python -m nltk.downloader "
+                         "punkt_tab where there is internet and copy ~/nltk_data here (or set NLTK_DATA)") from None
 
 
 def shipped_task_names() -> list[str]:
