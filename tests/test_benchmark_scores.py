@@ -206,3 +206,23 @@ def test_demo_real_scores_base_and_tuned_and_shows_them():
     assert dry.returncode == 0, dry.stderr
     assert dry.stdout.splitlines()[-2:] == [".venv/bin/python scripts/show_run.py outputs/demo-real",
                                             "cat outputs/demo-real/samples.md"]  # show_run prints base -> tuned
+
+
+def test_evaluate_py_loads_an_adapter_merged_onto_its_base(tmp_path):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.spec_from_file_location("evaluate_script", REPO_ROOT / "scripts" / "evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    base_path = resolve_model_path("tiny:llama")
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path),
+                                LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    AutoTokenizer.from_pretrained(base_path).save_pretrained(tmp_path / "adapter")
+    merged, _ = evaluate.load_model(str(tmp_path / "adapter"), None)
+    assert type(merged).__name__ == "LlamaForCausalLM" and not any("lora" in n for n, _ in merged.named_parameters())
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():  # the merged weights compute what base + adapter compute (init_lora_weights=False: not 0)
+        torch.testing.assert_close(merged(ids).logits, peft_model.eval()(ids).logits, atol=1e-5, rtol=1e-5)
