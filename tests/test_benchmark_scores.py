@@ -136,23 +136,24 @@ def test_run_scores_base_and_tuned_refuses_a_regression_and_evaluate_py_agrees(t
     out, cache = tmp_path / "out", tmp_path / "cache"
     # Gate: the tuned model must GAIN more than 1.0 (eval_max_regression -1.0), which no accuracy can: the run is
     # made to fail its gate on purpose; with push_to_hub set, a push would be tried (and fail) if the gate let it.
-    result = launch_sft(TINY_LLAMA_RECIPE, "--max_steps", "2", "--output_dir", str(out), "--report_to", "none",
+    store = tmp_path / "mlflow.db"
+    result = launch_sft(TINY_LLAMA_RECIPE, "--max_steps", "2", "--output_dir", str(out),
                         "--save_strategy", "'no'", "--sample_prompts", "[]",
                         "--eval_tasks", "[{task: alpaca_answers, limit: 6}, {task: gsm8k_local, limit: 2}]",
                         "--eval_max_gen_toks", "4", "--per_device_eval_batch_size", "4",
                         "--eval_cache_dir", str(cache), "--eval_max_regression", "{alpaca_answers: -1.0}",
                         "--push_to_hub", "true", "--hub_model_id", "me/tiny-benchmarks",
-                        env={"HF_TOKEN": FAKE_TOKEN}, check=False)
+                        env={"HF_TOKEN": FAKE_TOKEN, "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}, check=False)
     assert rank_exit_codes(result.stderr) == {0: 2, 1: 2}, result.stderr[-3000:]  # every rank refused
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     summary = read_summary(out)
     rows = summary["benchmarks"]["tasks"]
     alpaca, gsm8k = rows
-    assert errors == [f"error: the fine-tuned model regressed: alpaca_answers acc,none fell from {alpaca['base']:.4f} "
-                      f"(base) to {alpaca['tuned']:.4f} (tuned), a drop of {-alpaca['change']:.4f} where "
-                      f"eval_max_regression allows -1.0000. The export stays in {out}, marked regressed in its README.md "
-                      "and run_summary.json, and was not pushed: change the data or the training, or raise "
-                      "eval_max_regression if the drop is acceptable"]
+    assert errors == [f"error: the fine-tuned model regressed: alpaca_answers acc,none went from {alpaca['base']:.4f} "
+                      f"(base) to {alpaca['tuned']:.4f} (tuned), a change of {alpaca['change']:+.4f} where "
+                      f"eval_max_regression -1.0000 demands a gain of at least 1.0000. The export stays in {out}, marked "
+                      "regressed in its README.md and run_summary.json, and was not pushed: change the data or the "
+                      "training, or raise eval_max_regression if the drop is acceptable"]
     assert "pushed" not in result.stdout and (out / "model.safetensors").is_file()  # the export stays
     assert [(r["task"], r["metric"], r["samples"], r["max_regression"], r["regressed"]) for r in rows] == [
         ("alpaca_answers", "acc,none", 6, -1.0, True), ("gsm8k_local", "exact_match,strict-match", 2, None, False)]
@@ -164,11 +165,20 @@ def test_run_scores_base_and_tuned_refuses_a_regression_and_evaluate_py_agrees(t
         assert row["change"] == pytest.approx(row["tuned"] - row["base"]) and row["base"] * 6 == round(row["base"] * 6)
     card = (out / "README.md").read_text()
     assert "**REGRESSED**: a task fell below the base by more than eval_max_regression allows" in card
+    assert ("Scored with lm-evaluation-harness (the examples column counts what each task scored, each task's own "
+            "few-shot setting, chat template off, answers of at most 4 tokens)") in card
     assert (f"| alpaca_answers | acc,none | {alpaca['base']:.4f} | {alpaca['tuned']:.4f} | {alpaca['change']:+.4f} | "
             f"±{alpaca['base_stderr']:.4f} / ±{alpaca['tuned_stderr']:.4f} | 6 | **regressed** |") in card
     assert f"| gsm8k_local | exact_match,strict-match | {gsm8k['base']:.4f} | {gsm8k['tuned']:.4f} |" in card
     assert (out / "benchmark_scores.png").read_bytes()[:4] == b"\x89PNG"
     assert len(list(cache.glob("*.json"))) == 4  # two tasks x two models
+    from mlflow import MlflowClient
+
+    mlflow_run = MlflowClient(f"sqlite:///{store}").get_run(summary["mlflow_run_id"])
+    assert {key: value for key, value in mlflow_run.data.metrics.items() if key.startswith("benchmark/")} == {
+        f"benchmark/{row['task']}/{row['metric'].replace(',', '_')}/{which}": row[which]
+        for row in rows for which in ("base", "tuned", "change")}
+    assert "benchmark_scores.png" in [a.path for a in MlflowClient(f"sqlite:///{store}").list_artifacts(mlflow_run.info.run_id)]
 
     # scripts/evaluate.py on the same export and on the base, without the cache: the run's numbers
     scored = run_command([bin_path("python"), "scripts/evaluate.py", str(out), "--tasks",

@@ -146,8 +146,9 @@ def benchmarks_section(benchmarks) -> str:
     from sft_recipes.scores.compare import SCORES_PICTURE, markdown_table
 
     settings = benchmarks.settings
-    fewshot = "the tasks' own" if settings["num_fewshot"] is None else settings["num_fewshot"]
-    said = (f"limit {settings['limit'] or 'none'} per task, {fewshot} few-shot, chat template "
+    shots = {task: each["num_fewshot"] for task, each in settings["per_task"].items() if each["num_fewshot"] is not None}
+    fewshot = ", ".join(f"{task} {shot}-shot" for task, shot in shots.items()) or "each task's own few-shot setting"
+    said = (f"the examples column counts what each task scored, {fewshot}, chat template "
             f"{'on' if settings['apply_chat_template'] else 'off'}"
             + (f", answers of at most {settings['max_gen_toks']} tokens" if settings["max_gen_toks"] else ""))
     if not benchmarks.rows:

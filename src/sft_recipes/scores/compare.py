@@ -48,11 +48,19 @@ def regression_refusal(rows: list[Comparison], output_dir: str | Path) -> str | 
     failed = [row for row in rows if row.regressed]
     if not failed:
         return None
-    what = "; ".join(f"{row.task} {row.metric} fell from {row.base:.4f} (base) to {row.tuned:.4f} (tuned), a drop "
-                     f"of {-row.change:.4f} where eval_max_regression allows {row.max_regression:.4f}" for row in failed)
+    what = "; ".join(_regression(row) for row in failed)
     return (f"the fine-tuned model regressed: {what}. The export stays in {output_dir}, marked regressed in its "
             "README.md and run_summary.json, and was not pushed: change the data or the training, or raise "
             "eval_max_regression if the drop is acceptable")
+
+
+def _regression(row: Comparison) -> str:
+    if row.max_regression >= 0:
+        return (f"{row.task} {row.metric} fell from {row.base:.4f} (base) to {row.tuned:.4f} (tuned), a drop of "
+                f"{row.base - row.tuned:.4f} where eval_max_regression allows {row.max_regression:.4f}")
+    return (f"{row.task} {row.metric} went from {row.base:.4f} (base) to {row.tuned:.4f} (tuned), a change of "
+            f"{row.change:+.4f} where eval_max_regression {row.max_regression:.4f} demands a gain of at least "
+            f"{-row.max_regression:.4f}")
 
 
 def _number(value: float | None, spec: str = ".4f") -> str:
