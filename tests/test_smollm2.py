@@ -53,3 +53,16 @@ def test_real_model_answers_in_text_in_samples_and_chat(smollm2, capsys):
     spec.loader.exec_module(chat)
     assert chat.main([str(checkpoint), "--prompt", question, "--max_new_tokens", "12"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_real_model_is_scored_on_the_shipped_tasks_through_its_chat_template(smollm2):
+    from sft_recipes.scores.harness import EvalSettings, score_model
+    from sft_recipes.scores.tasks import parse_tasks
+
+    checkpoint, model, tokenizer = smollm2
+    tasks = parse_tasks(["alpaca_answers", {"task": "gsm8k_local", "limit": 1}], limit=8)
+    scores = score_model(model, tokenizer, tasks, EvalSettings(max_gen_toks=32, apply_chat_template=True, seed=0),
+                         None, "smollm2")
+    # 5 of 8 instructions' own answers are the likelier choice; 32 tokens are too few for GSM8K's `#### 18`
+    assert {name: (s.metric, s.samples, s.value) for name, s in scores.items()} == {
+        "alpaca_answers": ("acc,none", 8, 0.625), "gsm8k_local": ("exact_match,strict-match", 1, 0.0)}

@@ -219,6 +219,32 @@ class TrainingArguments(SFTConfig):
                   "their images); [] = no samples."},
     )
     sample_max_new_tokens: int = field(default=64, metadata={"help": "Longest sample answer, in tokens."})
+    eval_tasks: list[str | dict] | None = field(
+        default=None,
+        metadata={"help": "Benchmark tasks lm-evaluation-harness scores the export and the base model on, after the "
+                  "export check (docs/evaluation.md): a task shipped in evals/tasks/ (alpaca_answers, gsm8k_local), "
+                  "a local lm-eval task YAML, or an lm-eval registry task (its data from the Hub); an entry may be "
+                  "{task: ..., limit: N, num_fewshot: K, metric: 'metric,filter'}."},
+    )
+    eval_limit: int | None = field(
+        default=None, metadata={"help": "Examples scored per task (the first N), unless the task entry sets its own."})
+    eval_num_fewshot: int | None = field(
+        default=None, metadata={"help": "Few-shot examples per prompt, unless the task entry sets its own (None: "
+                                        "the task's own)."})
+    eval_max_regression: float | dict[str, float] | None = field(
+        default=None,
+        metadata={"help": "Gate: a task whose score drops from base to tuned by more than this (one number, or task "
+                  "-> number) refuses the run after the export (kept, marked regressed): no Hub push, exit 2."},
+    )
+    eval_max_gen_toks: int | None = field(
+        default=None, metadata={"help": "Longest generated answer in generation tasks (None: each task's own)."})
+    eval_apply_chat_template: bool = field(
+        default=False, metadata={"help": "Prompt through the tokenizer's chat template (instruction-tuned models)."})
+    eval_cache_dir: str = field(
+        default=".cache/evals",
+        metadata={"help": "Scores kept per model, revision, task and settings: a resume or re-run scores the base "
+                  "once."},
+    )
     include_num_input_tokens_seen: str | bool = field(
         default="non_padding",
         metadata={"help": "Count the input tokens trained on (the model card's `tokens seen`, kept in checkpoints): "

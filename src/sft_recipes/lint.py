@@ -292,6 +292,21 @@ def fp8_this_machine_cannot_train(recipe: Recipe, ctx: LintContext) -> str | Non
     return fp8_problem(recipe.model.use_peft) if recipe.training.fp8 else None
 
 
+def benchmark_tasks_that_cannot_be_scored(recipe: Recipe, ctx: LintContext) -> str | None:
+    """eval_tasks read now (task names, task files, metrics, the gate's tasks), not after training."""
+    training = recipe.training
+    if not training.eval_tasks and training.eval_max_regression is None:
+        return None
+    from sft_recipes.scores.tasks import check_max_regression, parse_tasks  # lm_eval only for a recipe with tasks
+
+    try:
+        tasks = parse_tasks(training.eval_tasks, training.eval_limit, training.eval_num_fewshot)
+        check_max_regression(training.eval_max_regression, tasks)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 RULES = (
     activation_checkpointing_twice,
     trl_packing_with_block_packing,
@@ -317,6 +332,7 @@ RULES = (
     activation_offloading_without_accelerator,
     torch_compile_settings_we_do_not_run,
     fp8_this_machine_cannot_train,
+    benchmark_tasks_that_cannot_be_scored,
 )
 
 

@@ -64,6 +64,9 @@ RANGES: dict[str, Range] = {
     "plan_memory_headroom_gib": Range(0, note="0 offers layouts that fill the GPU"),
     "sequence_parallel_size": Range(1, note="1 turns it off"),
     "sample_max_new_tokens": AT_LEAST_ONE,
+    "eval_limit": AT_LEAST_ONE,
+    "eval_num_fewshot": Range(0, note="0 scores each prompt alone"),
+    "eval_max_gen_toks": AT_LEAST_ONE,
     "min_pixels": Range(1, note="pixels of the smallest resized image; null keeps the checkpoint's"),
     "max_pixels": Range(1, note="pixels of the largest resized image; null keeps the checkpoint's"),
     # TRL's ModelConfig / SFTConfig
@@ -108,6 +111,8 @@ RANGES: dict[str, Range] = {
 UNCHECKED = {
     "local_rank": "set by the launcher, not by recipes",
     "test_split_size": "checked with the other data-source keys (data/mixture.py check_data_sources)",
+    "eval_max_regression": "a score drop, any sign (negative demands a gain); checked with eval_tasks "
+                           "(scores/tasks.py check_max_regression)",
 }
 
 

@@ -57,6 +57,7 @@ class CardFacts:
     hub_model_id: str | None = None
     extra_tags: list[str] = field(default_factory=list)
     stand_in_note: str | None = None  # a tiny random stand-in (`tiny:llama`): its outputs are meaningless
+    benchmarks: Any = None  # run/scoring.py's Benchmarks: base vs tuned per task, the gate
 
     @property
     def title(self) -> str:
@@ -138,6 +139,26 @@ def _fmt(value: float | None, spec: str = ".4f") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def benchmarks_section(benchmarks) -> str:
+    """The card's base-vs-tuned table (lm-evaluation-harness, same tasks and settings), or what went wrong."""
+    if benchmarks is None:
+        return ""
+    from sft_recipes.scores.compare import SCORES_PICTURE, markdown_table
+
+    settings = benchmarks.settings
+    shots = {task: each["num_fewshot"] for task, each in settings["per_task"].items() if each["num_fewshot"] is not None}
+    fewshot = ", ".join(f"{task} {shot}-shot" for task, shot in shots.items()) or "each task's own few-shot setting"
+    said = (f"the examples column counts what each task scored, {fewshot}, chat template "
+            f"{'on' if settings['apply_chat_template'] else 'off'}"
+            + (f", answers of at most {settings['max_gen_toks']} tokens" if settings["max_gen_toks"] else ""))
+    if not benchmarks.rows:
+        return f"## Benchmarks\n\nScoring failed: {benchmarks.error}. The export was not pushed.\n\n"
+    verdict = ("**REGRESSED**: a task fell below the base by more than eval_max_regression allows; this export was "
+               "not pushed.\n\n" if benchmarks.regressed else "")
+    return (f"## Benchmarks\n\n{verdict}Scored with lm-evaluation-harness ({said}); stderr as lm-eval reports it. "
+            f"Picture: `{SCORES_PICTURE}`.\n\n{markdown_table(benchmarks.rows)}\n\n")
+
+
 def build_model_card(facts: CardFacts) -> ModelCard:
     is_adapter = facts.export_kind == "adapter"
     data = ModelCardData(
@@ -181,7 +202,7 @@ TRL's SFTTrainer under FSDP2 by the sft-recipes recipe `{facts.recipe_path}`.
 | final eval loss | {_fmt(facts.final_eval_loss)} |
 | export check | {facts.export_check.describe()} |
 
-## How to load
+{benchmarks_section(facts.benchmarks)}## How to load
 
 {how_to_load(facts)}
 

@@ -13,7 +13,7 @@ from sft_recipes.reporting.tracking import mlflow_enabled
 
 # What the end of a run logs from output_dir when present (plan.json: a dry run's --plan-json saved there).
 RUN_ARTIFACTS = ("training_curves.png", "samples.md", "README.md", "data_report.json", "run_summary.json",
-                 "plan.json")
+                 "plan.json", "benchmark_scores.png")
 
 
 def active_mlflow_run_id(training_args) -> str | None:

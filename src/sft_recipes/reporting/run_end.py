@@ -16,6 +16,7 @@ from sft_recipes.reporting.export_check import ExportCheck
 from sft_recipes.reporting.hub import HubPush, push_export
 from sft_recipes.reporting.mlflow_artifacts import log_output_dir_artifacts
 from sft_recipes.reporting.samples import random_stand_in
+from sft_recipes.scores.compare import SCORES_PICTURE, draw_scores, mlflow_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ def hardware_of(device: torch.device) -> str:
 
 
 def card_facts_for_run(recipe, state, model_path: str | Path, export_check: ExportCheck,
-                       data_sources: list[dict] | None = None) -> CardFacts:
+                       data_sources: list[dict] | None = None, benchmarks=None) -> CardFacts:
     """What the card says about this run: `state` is the Trainer's state; `data_sources` the recipe's sources
     (default: its `datasets:` mixture, weighted by fraction, else its one dataset_name/dataset_revision)."""
     data, model, training = recipe.data, recipe.model, recipe.training
@@ -44,15 +45,27 @@ def card_facts_for_run(recipe, state, model_path: str | Path, export_check: Expo
         final_eval_loss=last_logged(state.log_history, "eval_loss"),
         license=base_license(model_path), hub_model_id=training.hub_model_id,
         stand_in_note=random_stand_in(model.model_name_or_path),
+        benchmarks=benchmarks,
     )
 
 
 def report_run_end(recipe, state, model_path: str | Path, output_dir: str | Path, export_check: ExportCheck,
-                   mlflow_run_id: str | None, hub_push: HubPush | None, data_sources: list[dict] | None = None) -> None:
-    """Rank 0: write the card, log the run's files to MLflow, push when asked. Call after run_summary.json."""
-    card = write_model_card(card_facts_for_run(recipe, state, model_path, export_check, data_sources), output_dir)
+                   mlflow_run_id: str | None, hub_push: HubPush | None, data_sources: list[dict] | None = None,
+                   benchmarks=None) -> None:
+    """Rank 0: write the card (and the benchmark picture), log the run's files and benchmark scores to MLflow, push
+    when asked. Call after run_summary.json. `benchmarks`: run/scoring.py's Benchmarks, or None."""
+    if benchmarks is not None and benchmarks.rows:
+        draw_scores(benchmarks.rows, Path(output_dir) / SCORES_PICTURE)
+    card = write_model_card(card_facts_for_run(recipe, state, model_path, export_check, data_sources, benchmarks),
+                            output_dir)
     logger.info("model card: %s", card)
     log_output_dir_artifacts(mlflow_run_id, output_dir)
+    if mlflow_run_id and benchmarks is not None and benchmarks.rows:
+        from mlflow import MlflowClient
+
+        client = MlflowClient()
+        for key, value in mlflow_metrics(benchmarks.rows).items():
+            client.log_metric(mlflow_run_id, key, value)
     if hub_push is not None:
         push_export(hub_push, output_dir, export_check)
         logger.info("pushed %s to https://huggingface.co/%s (%s)", output_dir, hub_push.repo_id,

@@ -1,5 +1,6 @@
 """The end of a run: export (consolidated checkpoint or adapter), the reload check, samples, the summary,
-the model card, MLflow artifacts and the optional Hub push."""
+benchmark scores of the export and the base (run/scoring.py), the model card, MLflow artifacts and the
+optional Hub push (not for a regressed export)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from sft_recipes.reporting.export_check import ExportCheck
 from sft_recipes.reporting.load_export import load_export
 from sft_recipes.reporting.run_end import report_run_end
 from sft_recipes.reporting.samples import prompt_style, random_stand_in, sample_settings, write_samples
+from sft_recipes.run.scoring import publish_outcome, score_run, wait_for_outcome, wants_benchmarks
 from sft_recipes.run.setup import Run
 from sft_recipes.run.training import Training
 
@@ -71,6 +73,8 @@ def finish(run: Run, training: Training) -> RunResult:
                        export_check=ExportCheck.from_logit_diff(logit_diff), mlflow_run_id=summary.mlflow_run_id,
                        summary=None)
     if not run.is_main:
+        if wants_benchmarks(recipe.training) and (refusal := wait_for_outcome()):
+            raise RecipeError(refusal)  # rank 0 prints it; every rank exits 2
         return result
     copy_processor_files(run.source.path, output_dir)  # a VLM's image processor: the export loads as it came in
     report = summary.finish(training.seconds, output_dir, logit_diff, training.resumed_from, training.layout,
@@ -80,11 +84,21 @@ def finish(run: Run, training: Training) -> RunResult:
     Path(output_dir, "run_summary.json").write_text(json.dumps(report, indent=2))
     if training.sample_prompts and logit_diff is None:  # no export check, so no reloaded model to reuse
         samples_after(load_export(output_dir)[0])
+    benchmarks = None
+    if wants_benchmarks(recipe.training):  # the export and its summary are on disk whatever scoring does
+        benchmarks = score_run(run, output_dir)
+        report["benchmarks"] = benchmarks.as_summary()
+        Path(output_dir, "run_summary.json").write_text(json.dumps(report, indent=2))
     report_run_end(recipe, trainer.state, run.source.path, output_dir, result.export_check,
-                   summary.mlflow_run_id, run.hub_push)
+                   summary.mlflow_run_id, None if benchmarks and benchmarks.refusal else run.hub_push,
+                   benchmarks=benchmarks)
     waiting = data_wait_warning(report["seconds_per_step"], report["seconds_waiting_for_data_per_step"],
                                 recipe.training.dataloader_num_workers)
     if waiting:
         print(waiting, flush=True)
     print(summary.closing_line(report), flush=True)
+    if benchmarks is not None:
+        publish_outcome(benchmarks.refusal)
+        if benchmarks.refusal:
+            raise RecipeError(benchmarks.refusal)
     return dataclasses.replace(result, summary=report)

@@ -1,0 +1,127 @@
+"""Score a loaded model on tasks with EleutherAI's lm-evaluation-harness, one task at a time, cached.
+
+`lm_eval.simple_evaluate` runs on an `HFLM` built around the model already in memory (an export the run just
+reloaded, or one scripts/evaluate.py loaded), once per task so each task keeps its own limit and few-shot
+count and is cached on its own: under `cache_dir`, keyed by the model (name + revision, or a local folder's
+weight files' sizes and times), the task's config and data bytes, the settings and lm-eval's version. A
+resume or a re-run therefore scores the base model once.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from sft_recipes.scores.tasks import NO_FILTER, EvalTask, metric_keys
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What every task of one comparison shares (base and tuned are scored with the same)."""
+
+    batch_size: int = 8
+    max_gen_toks: int | None = None  # caps generation tasks' answers (None: each task's own max_gen_toks)
+    apply_chat_template: bool = False  # prompts through the tokenizer's chat template (instruction-tuned models)
+    seed: int = 1234  # lm-eval's sampling seeds (few-shot example choice)
+
+
+@dataclass(frozen=True)
+class TaskScore:
+    task: str
+    metric: str  # "metric,filter"
+    value: float
+    stderr: float | None  # lm-eval's bootstrap / sample standard error; None where it reports "N/A"
+    samples: int  # examples scored
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def model_key(name_or_path: str, revision: str | None = None) -> str:
+    """The model's part of a cache key: a local folder by its weight files (a new export is a new key), a Hub
+    id by id and revision."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir()
+                         if p.name.endswith(WEIGHT_SUFFIXES))
+        return json.dumps([str(path.resolve()), weights])
+    return json.dumps([name_or_path, revision or "main"])
+
+
+def primary_metric(task: EvalTask, results: dict[str, Any]) -> str:
+    """The metric the comparison reads: the one asked for, else the task's first metric under its first filter
+    (a registry task: the first metric lm-eval reported)."""
+    if task.metric:
+        return task.metric
+    if task.config is not None:
+        return metric_keys(task.config)[0]
+    return next(key for key in results if "_stderr" not in key and key != "alias" and "," in key)
+
+
+def _cache_path(cache_dir: Path, model: str, task: EvalTask, settings: EvalSettings) -> Path:
+    key = hashlib.sha256(json.dumps([model, task.fingerprint(), asdict(settings)]).encode()).hexdigest()[:32]
+    return cache_dir / f"{task.name}-{key}.json"
+
+
+def _run_task(lm, task: EvalTask, settings: EvalSettings) -> dict[str, Any]:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    # A local task goes in as its parsed config (data paths made absolute); a registry task by name, through
+    # lm-eval's full index (~20 s, only then).
+    spec = copy.deepcopy(task.config) if task.config is not None else task.name  # lm-eval edits configs in place
+    manager = TaskManager(include_defaults=task.config is None)
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=[spec], task_manager=manager, limit=task.limit, num_fewshot=task.num_fewshot,
+        apply_chat_template=settings.apply_chat_template, log_samples=False,
+        gen_kwargs={"max_gen_toks": settings.max_gen_toks} if settings.max_gen_toks else None,
+        random_seed=settings.seed, numpy_random_seed=settings.seed, torch_random_seed=settings.seed,
+        fewshot_random_seed=settings.seed, bootstrap_iters=1000)
+    return {"results": results["results"][task.name], "n_samples": results["n-samples"][task.name]}
+
+
+def _score(task: EvalTask, raw: dict[str, Any]) -> TaskScore:
+    results = raw["results"]
+    metric = primary_metric(task, results)
+    if metric not in results:
+        reported = [key for key in results if "_stderr" not in key and key != "alias"]
+        raise ValueError(f"task {task.name!r} reported no {metric!r}: it reported {', '.join(reported)}")
+    name, _, flt = metric.partition(",")
+    stderr = results.get(f"{name}_stderr,{flt or NO_FILTER}")
+    stderr = float(stderr) if isinstance(stderr, (int, float)) and math.isfinite(stderr) else None
+    return TaskScore(task.name, metric, float(results[metric]), stderr, int(raw["n_samples"]["effective"]))
+
+
+def score_model(model, tokenizer, tasks: list[EvalTask], settings: EvalSettings, cache_dir: str | Path | None,
+                key: str) -> dict[str, TaskScore]:
+    """{task name: its score} for `model` (loaded, in eval mode); each task from the cache when `key` (model_key)
+    scored it before with the same task and settings."""
+    scores, lm = {}, None
+    for task in tasks:
+        path = _cache_path(Path(cache_dir), key, task, settings) if cache_dir else None
+        if path is not None and path.is_file():
+            raw = json.loads(path.read_text())
+            logger.info("%s: %s from the cache (%s)", task.name, json.loads(key)[0], path)
+        else:
+            if lm is None:
+                from lm_eval.models.huggingface import HFLM
+
+                lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
+            raw = _run_task(lm, task, settings)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                staging = path.with_suffix(".tmp")
+                staging.write_text(json.dumps(raw, default=str))
+                staging.replace(path)
+        scores[task.name] = _score(task, raw)
+    return scores

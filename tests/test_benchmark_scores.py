@@ -1,0 +1,238 @@
+"""Benchmark scores with lm-evaluation-harness: the shipped tasks, refusals before training, the in-run comparison of
+base and tuned with its gate, and scripts/evaluate.py scoring the same export to the same numbers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from conftest import REALWORLD, REPO_ROOT, TINY_LLAMA_RECIPE, bin_path, launch_sft, read_summary, run_command
+from fault_helpers import rank_exit_codes
+from sft_recipes.loading import resolve_model_path
+from sft_recipes.preflight_launch import recipe_refusal
+from sft_recipes.scores.compare import Comparison, markdown_table, regression_refusal
+from sft_recipes.scores.tasks import SHIPPED_TASKS_DIR, parse_tasks
+
+FAKE_TOKEN = "hf_benchmark_gate_test_token"
+
+
+def _make_task_data():
+    spec = importlib.util.spec_from_file_location("make_task_data", REPO_ROOT / "evals" / "make_task_data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_shipped_tasks_parse_and_read_the_real_data_offline():
+    assert sorted(p.name for p in SHIPPED_TASKS_DIR.glob("*.yaml")) == ["alpaca_answers.yaml", "gsm8k_local.yaml"]
+    for path in SHIPPED_TASKS_DIR.glob("*.yaml"):
+        assert yaml.safe_load(path.read_text())["task"] == path.stem  # plain YAML (no !function) named as its file
+    alpaca, gsm8k = parse_tasks(["alpaca_answers", {"task": "gsm8k_local", "limit": 5,
+                                                     "metric": "exact_match,flexible-extract"}], limit=8)
+    assert (alpaca.name, alpaca.limit, alpaca.num_fewshot, alpaca.metric) == ("alpaca_answers", 8, None, None)
+    assert (gsm8k.name, gsm8k.limit, gsm8k.metric) == ("gsm8k_local", 5, "exact_match,flexible-extract")
+    assert gsm8k.config["dataset_kwargs"]["data_files"] == {
+        "test": str(REALWORLD / "eval" / "openai__gsm8k.test.jsonl")}  # the whole real test split, path made absolute
+    rows = (REALWORLD / "eval" / "openai__gsm8k.test.jsonl").read_text().splitlines()
+    assert len(rows) == 1319 and json.loads(rows[0])["answer"].endswith("#### 18")
+    # alpaca_answers' rows are what evals/make_task_data.py writes from the real alpaca rows
+    shipped = [json.loads(line) for line in (SHIPPED_TASKS_DIR / "data" / "alpaca_answers.jsonl").read_text().splitlines()]
+    assert shipped == _make_task_data().task_rows() and len(shipped) == 40
+    assert shipped[1] == {"instruction": "Calculate the average of [2, 4, 5, 7, 8].",
+                          "choices": ["1. Solar energy\n2. Wind energy\n3. Hydropower\n4. Geothermal energy\n5. "
+                                      "Biomass energy", "The average of [2, 4, 5, 7, 8] is 5.4."], "label": 1}
+
+
+def test_bad_tasks_are_refused_with_what_to_write(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("task: broken\nmetric_list: [\n")
+    bad_metric = tmp_path / "bad_metric.yaml"
+    bad_metric.write_text((SHIPPED_TASKS_DIR / "alpaca_answers.yaml").read_text().replace("metric: acc_norm",
+                                                                                          "metric: acc_nrom"))
+    refusals = {
+        "gsm8k_locl": "unknown task 'gsm8k_locl' -- not a task shipped in evals/tasks/ (alpaca_answers, gsm8k_local), "
+                      "not one of lm-eval's tasks (closest: gsm8k_local",
+        str(broken): f"task file {broken} does not parse (",
+        str(bad_metric): f"task file {bad_metric}: metric 'acc_nrom' does not exist in lm-eval",
+        str(tmp_path / "missing.yaml"): f"task file {tmp_path / 'missing.yaml'} does not exist",
+    }
+    for entry, message in refusals.items():
+        with pytest.raises(ValueError) as err:
+            parse_tasks([entry])
+        assert message in str(err.value), str(err.value)
+    with pytest.raises(ValueError, match=r"task 'alpaca_answers' reports no metric 'f1,none': it reports acc,none, "
+                                         r"acc_norm,none \(metric,filter\)"):
+        parse_tasks([{"task": "alpaca_answers", "metric": "f1"}])
+    assert [t.name for t in parse_tasks(["gsm8k"])] == ["gsm8k"]  # lm-eval's registry task, by name (Hub data)
+    # IFEval's checkers need packages lm-eval does not install and nltk data it cannot download offline
+    with pytest.raises(ValueError, match=r"^eval_tasks: ifeval needs (immutabledict, langdetect: \.venv/bin/pip install "
+                                         r"'lm-eval\[ifeval\]==0\.4\.13'|nltk's punkt_tab data)"):
+        parse_tasks(["ifeval"])
+
+
+def test_a_bad_task_is_refused_by_the_launch_preflight_before_any_process_starts():
+    # what `make train` checks before `accelerate launch` (and every rank's lint again at start): one problem line
+    problem = recipe_refusal("accelerate_configs/fsdp2_cpu.yaml", str(TINY_LLAMA_RECIPE),
+                             ["--eval_tasks", "[alpaca_answers, {task: gsm8k_local, metric: accuracy}]"], None, False)
+    assert problem == (f"{TINY_LLAMA_RECIPE}: eval_tasks: task 'gsm8k_local' reports no metric 'accuracy,none': it "
+                       "reports exact_match,strict-match, exact_match,flexible-extract (metric,filter).")
+    problem = recipe_refusal("accelerate_configs/fsdp2_cpu.yaml", str(TINY_LLAMA_RECIPE),
+                             ["--eval_tasks", "[alpaca_answers]", "--eval_max_regression", "{ifeval: 0.1}"], None, False)
+    assert problem == (f"{TINY_LLAMA_RECIPE}: eval_max_regression names ifeval, which eval_tasks does not score (its "
+                       "tasks: alpaca_answers).")
+
+
+def test_a_training_run_without_eval_tasks_never_imports_lm_eval():
+    # Everything scripts/sft.py imports, the run's finish and scoring modules, and the lint of a recipe without tasks
+    probe = ("import sys; sys.path.insert(0, 'scripts'); import sft; from sft_recipes.config import load_recipe; "
+             "from sft_recipes.lint import LintContext, lint_recipe; "
+             "import sft_recipes.run.finish, sft_recipes.run.scoring, sft_recipes.reporting.run_end; "
+             f"lint_recipe(load_recipe('{TINY_LLAMA_RECIPE}', []), LintContext(world_size=2, has_accelerator=False)); "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lm_eval'))")
+    result = run_command([sys.executable, "-c", probe], launcher="real")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_gate_and_its_refusal_line():
+    rows = [Comparison("alpaca_answers", "acc,none", 0.5, 0.375, 0.1, 0.125, 8, 0.1),
+            Comparison("gsm8k_local", "exact_match,strict-match", 0.0, 0.0, 0.0, 0.0, 2, 0.1)]
+    assert [row.regressed for row in rows] == [True, False]
+    assert regression_refusal(rows, "out") == (
+        "the fine-tuned model regressed: alpaca_answers acc,none fell from 0.5000 (base) to 0.3750 (tuned), a drop of "
+        "0.1250 where eval_max_regression allows 0.1000. The export stays in out, marked regressed in its README.md "
+        "and run_summary.json, and was not pushed: change the data or the training, or raise eval_max_regression if "
+        "the drop is acceptable")
+    assert regression_refusal(rows[1:], "out") is None
+    assert markdown_table(rows).splitlines()[2] == (
+        "| alpaca_answers | acc,none | 0.5000 | 0.3750 | -0.1250 | ±0.1000 / ±0.1250 | 8 | **regressed** |")
+
+
+def test_an_export_that_cannot_be_scored_is_one_refusal_and_stays(tmp_path):
+    from sft_recipes.run.scoring import score_run
+
+    export = tmp_path / "out"
+    export.mkdir()
+    (export / "config.json").write_text('{"model_type": "llama"}')  # an export whose weights are gone
+    training = SimpleNamespace(eval_tasks=["alpaca_answers"], eval_limit=2, eval_num_fewshot=None,
+                               per_device_eval_batch_size=2, eval_max_gen_toks=None, eval_apply_chat_template=False,
+                               seed=0, eval_cache_dir=str(tmp_path / "cache"), eval_max_regression=None,
+                               device="cpu")
+    run = SimpleNamespace(recipe=SimpleNamespace(training=training, model=SimpleNamespace(model_name_or_path="x")))
+    benchmarks = score_run(run, export)
+    assert benchmarks.rows == [] and benchmarks.refusal.startswith("scoring the export on eval_tasks failed (")
+    assert f"the export in {export} is kept and was not pushed" in benchmarks.refusal
+    assert (export / "config.json").is_file()
+
+
+@pytest.mark.fsdp
+def test_run_scores_base_and_tuned_refuses_a_regression_and_evaluate_py_agrees(tmp_path):
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    # Gate: the tuned model must GAIN more than 1.0 (eval_max_regression -1.0), which no accuracy can: the run is
+    # made to fail its gate on purpose; with push_to_hub set, a push would be tried (and fail) if the gate let it.
+    store = tmp_path / "mlflow.db"
+    result = launch_sft(TINY_LLAMA_RECIPE, "--max_steps", "2", "--output_dir", str(out),
+                        "--save_strategy", "'no'", "--sample_prompts", "[]",
+                        "--eval_tasks", "[{task: alpaca_answers, limit: 6}, {task: gsm8k_local, limit: 2}]",
+                        "--eval_max_gen_toks", "4", "--per_device_eval_batch_size", "4",
+                        "--eval_cache_dir", str(cache), "--eval_max_regression", "{alpaca_answers: -1.0}",
+                        "--push_to_hub", "true", "--hub_model_id", "me/tiny-benchmarks",
+                        env={"HF_TOKEN": FAKE_TOKEN, "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}, check=False)
+    assert rank_exit_codes(result.stderr) == {0: 2, 1: 2}, result.stderr[-3000:]  # every rank refused
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    summary = read_summary(out)
+    rows = summary["benchmarks"]["tasks"]
+    alpaca, gsm8k = rows
+    assert errors == [f"error: the fine-tuned model regressed: alpaca_answers acc,none went from {alpaca['base']:.4f} "
+                      f"(base) to {alpaca['tuned']:.4f} (tuned), a change of {alpaca['change']:+.4f} where "
+                      f"eval_max_regression -1.0000 demands a gain of at least 1.0000. The export stays in {out}, marked "
+                      "regressed in its README.md and run_summary.json, and was not pushed: change the data or the "
+                      "training, or raise eval_max_regression if the drop is acceptable"]
+    assert "pushed" not in result.stdout and (out / "model.safetensors").is_file()  # the export stays
+    assert [(r["task"], r["metric"], r["samples"], r["max_regression"], r["regressed"]) for r in rows] == [
+        ("alpaca_answers", "acc,none", 6, -1.0, True), ("gsm8k_local", "exact_match,strict-match", 2, None, False)]
+    assert summary["benchmarks"]["regressed"] is True and summary["benchmarks"]["error"] is None
+    assert summary["benchmarks"]["settings"] == {
+        "limit": None, "num_fewshot": None, "max_gen_toks": 4, "apply_chat_template": False,
+        "per_task": {"alpaca_answers": {"limit": 6, "num_fewshot": None}, "gsm8k_local": {"limit": 2, "num_fewshot": None}}}
+    for row in rows:
+        assert row["change"] == pytest.approx(row["tuned"] - row["base"]) and row["base"] * 6 == round(row["base"] * 6)
+    card = (out / "README.md").read_text()
+    assert "**REGRESSED**: a task fell below the base by more than eval_max_regression allows" in card
+    assert ("Scored with lm-evaluation-harness (the examples column counts what each task scored, each task's own "
+            "few-shot setting, chat template off, answers of at most 4 tokens)") in card
+    assert (f"| alpaca_answers | acc,none | {alpaca['base']:.4f} | {alpaca['tuned']:.4f} | {alpaca['change']:+.4f} | "
+            f"±{alpaca['base_stderr']:.4f} / ±{alpaca['tuned_stderr']:.4f} | 6 | **regressed** |") in card
+    assert f"| gsm8k_local | exact_match,strict-match | {gsm8k['base']:.4f} | {gsm8k['tuned']:.4f} |" in card
+    assert (out / "benchmark_scores.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(list(cache.glob("*.json"))) == 4  # two tasks x two models
+    from mlflow import MlflowClient
+
+    mlflow_run = MlflowClient(f"sqlite:///{store}").get_run(summary["mlflow_run_id"])
+    assert {key: value for key, value in mlflow_run.data.metrics.items() if key.startswith("benchmark/")} == {
+        f"benchmark/{row['task']}/{row['metric'].replace(',', '_')}/{which}": row[which]
+        for row in rows for which in ("base", "tuned", "change")}
+    assert "benchmark_scores.png" in [a.path for a in MlflowClient(f"sqlite:///{store}").list_artifacts(mlflow_run.info.run_id)]
+
+    # scripts/evaluate.py on the same export and on the base, without the cache: the run's numbers
+    scored = run_command([bin_path("python"), "scripts/evaluate.py", str(out), "--tasks",
+                          "alpaca_answers", "--limit", "6", "--batch_size", "4", "--output", str(tmp_path / "e.json")])
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    tasks = json.loads((tmp_path / "e.json").read_text())["tasks"]
+    assert tasks["alpaca_answers"]["value"] == alpaca["tuned"]
+    assert tasks["alpaca_answers"]["stderr"] == alpaca["tuned_stderr"]
+    assert re.search(rf"^alpaca_answers\s+acc,none\s+{alpaca['tuned']:.4f}\s", scored.stdout, re.M), scored.stdout
+
+    # the base, by its folder: without the cache the run's base score again; with the run's cache, read from it
+    base = resolve_model_path("tiny:llama")
+    for cache_args in ([], ["--cache_dir", str(cache)]):
+        scored = run_command([bin_path("python"), "scripts/evaluate.py", base, "--tasks", "alpaca_answers", "--limit",
+                              "6", "--batch_size", "4", "--max_gen_toks", "4", "--output", str(tmp_path / "b.json"),
+                              *cache_args])
+        assert scored.returncode == 0, scored.stderr[-3000:]
+        assert json.loads((tmp_path / "b.json").read_text())["tasks"]["alpaca_answers"]["value"] == alpaca["base"]
+        assert ("alpaca_answers: " in scored.stderr and "from the cache" in scored.stderr) == bool(cache_args)
+
+    shown = run_command([bin_path("python"), "scripts/show_run.py", str(out)])
+    assert (f"  benchmarks         alpaca_answers acc,none: base {alpaca['base']:.4f} -> tuned {alpaca['tuned']:.4f} "
+            f"({alpaca['change']:+.4f}) REGRESSED\n") in shown.stdout, shown.stdout[-2000:]
+
+
+def test_demo_real_scores_base_and_tuned_and_shows_them():
+    from sft_recipes.config import load_recipe
+
+    training = load_recipe(REPO_ROOT / "recipes" / "smollm2-135m.yaml", planning=True).training
+    tasks = parse_tasks(training.eval_tasks, training.eval_limit, training.eval_num_fewshot)
+    assert [(t.name, t.limit) for t in tasks] == [("alpaca_answers", None), ("gsm8k_local", 10)]
+    assert (training.eval_apply_chat_template, training.eval_max_gen_toks) == (True, 192)
+    dry = run_command(["make", "-n", "-o", ".venv/.installed", "-o", ".venv/.installed-eval", "-o", ".venv/.installed-real",
+                       "demo-real"], launcher="real")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.splitlines()[-2:] == [".venv/bin/python scripts/show_run.py outputs/demo-real",
+                                            "cat outputs/demo-real/samples.md"]  # show_run prints base -> tuned
+
+
+def test_evaluate_py_loads_an_adapter_merged_onto_its_base(tmp_path):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.spec_from_file_location("evaluate_script", REPO_ROOT / "scripts" / "evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    base_path = resolve_model_path("tiny:llama")
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path),
+                                LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    AutoTokenizer.from_pretrained(base_path).save_pretrained(tmp_path / "adapter")
+    merged, _ = evaluate.load_model(str(tmp_path / "adapter"), None)
+    assert type(merged).__name__ == "LlamaForCausalLM" and not any("lora" in n for n, _ in merged.named_parameters())
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():  # the merged weights compute what base + adapter compute (init_lora_weights=False: not 0)
+        torch.testing.assert_close(merged(ids).logits, peft_model.eval()(ids).logits, atol=1e-5, rtol=1e-5)
