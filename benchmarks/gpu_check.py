@@ -113,7 +113,9 @@ def packed_batch(vocab_size: int) -> dict[str, Any]:
     return BlockDiagonalCollator(BLOCK, pad_token_id=0)(examples)
 
 
-def tiny_llama(attention: str, dtype):
+def tiny_llama():
+    """The tiny Llama twin in fp32 with sdpa, seed 0: every caller gets the same weights (cast and switched to a
+    kernel afterwards, on the device: flash-attn's checks want a half dtype on a GPU)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -121,7 +123,7 @@ def tiny_llama(attention: str, dtype):
     from sft_recipes.tiny import tiny_config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=attention, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa", dtype=torch.float32)
     prepare_for_packing(model)
     return model
 
@@ -141,11 +143,13 @@ def compare_attention(attention: str, device, dtype, tolerance: float = FLASH_TO
     fp32 sdpa on the CPU: (logits difference, loss difference, pass/FAIL)."""
     import torch
 
-    reference_model = tiny_llama("sdpa", torch.float32).eval()
+    reference_model = tiny_llama().eval()
     batch = packed_batch(reference_model.config.vocab_size)
+    candidate_model = tiny_llama().to(device, dtype).eval()
+    candidate_model.set_attn_implementation(attention)
     with torch.no_grad():
         reference = reference_model(**batch)
-        candidate = tiny_llama(attention, dtype).to(device).eval()(**to_device(batch, device))
+        candidate = candidate_model(**to_device(batch, device))
     logits = relative(candidate.logits, reference.logits.float())
     loss = relative(candidate.loss, reference.loss.float())
     return logits, loss, "pass" if max(logits, loss) < tolerance else f"FAIL (> {tolerance:.0e})"
@@ -225,12 +229,15 @@ def training_step(variant: str, device, dry: bool) -> dict[str, Any]:
     from sft_recipes.compile import compile_decoder_layers
     from sft_recipes.fp8 import convert_to_fp8_training
 
-    model = tiny_llama("sdpa", torch.float32).to(device)
+    model = tiny_llama().to(device)
     batch = to_device(packed_batch(model.config.vocab_size), device)
+    detail = f"{len(model.model.layers)} layers sharded"
     if "fp8" in variant:
-        convert_to_fp8_training(model, fsdp=True)
+        converted = convert_to_fp8_training(model, fsdp=True)
+        detail += f", {len(converted)} Linear layers in float8"
     if "torch_compile" in variant:
-        compile_decoder_layers(model, ["LlamaDecoderLayer"], backend="eager" if dry else "inductor")
+        compiled = compile_decoder_layers(model, ["LlamaDecoderLayer"], backend="eager" if dry else "inductor")
+        detail += f", {compiled} compiled"
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=policy)
@@ -245,14 +252,15 @@ def training_step(variant: str, device, dry: bool) -> dict[str, Any]:
     optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         after = model(**batch).loss.item()
-    return {"loss": loss.item(), "after": after, "finite": finite, "logits": str(outputs.logits.dtype).split(".")[-1]}
+    return {"loss": loss.item(), "after": after, "finite": finite, "logits": str(outputs.logits.dtype).split(".")[-1],
+            "detail": detail}
 
 
 def training_rows(device, dry: bool) -> list[list[Any]]:
     import torch
     import torch.distributed as dist
 
-    reference_model = tiny_llama("sdpa", torch.float32).to(device)
+    reference_model = tiny_llama().to(device)
     with torch.no_grad():
         reference = reference_model(**to_device(packed_batch(reference_model.config.vocab_size), device)).loss.item()
     del reference_model
@@ -267,12 +275,12 @@ def training_rows(device, dry: bool) -> list[list[Any]]:
                 label += " (CPU, dynamo eager backend)"
             reason = fp8_skip_reason(device) if "fp8" in variant else None
             if reason:
-                rows.append([label, f"{reference:.4f}", "", "", "", reason])
+                rows.append([label, "", f"{reference:.4f}", "", "", "", reason])
                 continue
             try:
                 step = training_step(variant, device, dry)
             except Exception as error:
-                rows.append([label, f"{reference:.4f}", "", "", "", f"FAIL: {type(error).__name__}: {str(error)[:160]}"])
+                rows.append([label, "", f"{reference:.4f}", "", "", "", f"FAIL: {type(error).__name__}: {str(error)[:160]}"])
                 continue
             difference = abs(step["loss"] - reference) / abs(reference)
             problems = []
@@ -284,7 +292,9 @@ def training_rows(device, dry: bool) -> list[list[Any]]:
                 problems.append("NaN loss after the step")
             if step["logits"] != "bfloat16":  # MixedPrecisionPolicy did not cast the compute
                 problems.append(f"{step['logits']} logits, not bfloat16")
-            rows.append([label, f"{reference:.4f}", step["logits"], f"{step['loss']:.4f} ({difference:.1e})", f"{step['after']:.4f}",
+            if re.search(r", 0 (Linear|compiled)", step["detail"]):  # the variant changed nothing
+                problems.append(step["detail"])
+            rows.append([label, step["detail"], f"{reference:.4f}", step["logits"], f"{step['loss']:.4f} ({difference:.1e})", f"{step['after']:.4f}",
                          "FAIL: " + ", ".join(problems) if problems else "pass"])
     finally:
         dist.destroy_process_group()
@@ -297,11 +307,12 @@ def training_rows(device, dry: bool) -> list[list[Any]]:
 
 def throughput_options(model: str, dry: bool) -> argparse.Namespace:
     options = gpu_throughput.parse_args(["--quick"] if dry else ["--model", model])
-    if not dry:
+    if dry:  # the code path, not a number: one timed step of one 512-token block (or one padded conversation)
+        options.block, options.blocks_per_step, options.padded_batch, options.steps = 512, 1, 1, 1
+    else:
         options.model = model
-        if model == "tiny":  # the quick tokenizer's ids fit the tiny vocabulary; GPU-sized batches
+        if model == "tiny":  # its 4096-token vocabulary needs the quick stand-in tokenizer's ids
             options.tokenizer_args = {"training_conversations": 30, "vocab_size": 2000}
-            options.block, options.padded_batch = 2048, 8
     return options
 
 
@@ -331,20 +342,21 @@ def report(options: argparse.Namespace, argv: list[str]) -> tuple[str, bool]:
     steps = training_rows(device, options.dry)
     seconds["training steps"] = time.perf_counter() - start
     lines += ["Training steps (tiny Llama twin, packed batch, one AdamW step; loss relative to the fp32 eager loss):",
-              "", markdown_table(["step", "fp32 eager loss", "logits dtype", "step loss (relative diff)", "loss after the step",
+              "", markdown_table(["step", "what ran", "fp32 eager loss", "logits dtype", "step loss (relative diff)", "loss after the step",
                                   "result"], steps), ""]
     models = ["tiny"] if options.dry else ["tiny", options.large]
+    throughput: list[str] = []
     for model in models:
         start = time.perf_counter()
         rows, description = gpu_throughput.throughput_rows(throughput_options(model, options.dry), device)
         lines += [f"Throughput: {description}", "",
                   markdown_table(["batches", "kernels", "real tokens/step", "real / slots", "real tokens/s", "MFU",
                                   "peak memory GiB", "last loss"], rows), ""]
-        steps += [[f"throughput {model} {row[0]} {row[1]}", row[2]] for row in rows
-                  if str(row[2]).startswith("failed")]
+        # a Liger run is skipped without liger-kernel; one that raised is a failure
+        throughput += [str(row[2]) for row in rows if str(row[2]).startswith(("failed", "skipped"))]
         seconds[f"throughput {model}"] = time.perf_counter() - start
     lines.append("Seconds per section: " + ", ".join(f"{name} {value:.0f}" for name, value in seconds.items()))
-    results = [row[-1] for row in kernels + details + steps]
+    results = [row[-1] for row in kernels + details + steps] + throughput
     failed = [r for r in results if r.startswith(("FAIL", "failed"))]
     summary = (f"**{len(failed)} failed**" if failed else "**all ran checks passed**") + (
         f"; {sum(r.startswith('skipped') for r in results)} skipped")
