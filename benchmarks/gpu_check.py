@@ -75,7 +75,8 @@ def environment_lines(device, argv: list[str]) -> list[str]:
 
     if device.type == "cuda":
         capability = "sm_%d%d" % torch.cuda.get_device_capability(device)
-        gpu = f"{torch.cuda.get_device_name(device)} ({capability}, {torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB)"
+        memory = torch.cuda.get_device_properties(device).total_memory / 2**30
+        gpu = f"{torch.cuda.get_device_name(device)} ({capability}, {memory:.0f} GiB)"
         driver = nvidia_driver()
     else:
         gpu, driver = "none (--dry: CPU, tiny sizes; nothing here is a GPU result)", "n/a"
@@ -213,9 +214,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def fp8_skip_reason(device) -> str | None:
+def fp8_skip_reason(dry: bool) -> str | None:
+    import torch
+
     from sft_recipes.fp8 import fp8_problem
 
+    if dry and torch.cuda.is_available():  # sft_recipes.fp8 picks real float8 (and its all-gather) when CUDA is there
+        return "skipped: --dry on a machine with a GPU: run without --dry for fp8"
     problem = fp8_problem(use_peft=False)
     return f"skipped: {problem}" if problem else None
 
@@ -273,14 +278,15 @@ def training_rows(device, dry: bool) -> list[list[Any]]:
             label = f"FSDP2 1 process, {variant}" + (" (CPU, emulated)" if dry and "fp8" in variant else "")
             if dry and "compile" in variant:
                 label += " (CPU, dynamo eager backend)"
-            reason = fp8_skip_reason(device) if "fp8" in variant else None
+            reason = fp8_skip_reason(dry) if "fp8" in variant else None
             if reason:
                 rows.append([label, "", f"{reference:.4f}", "", "", "", reason])
                 continue
             try:
                 step = training_step(variant, device, dry)
             except Exception as error:
-                rows.append([label, "", f"{reference:.4f}", "", "", "", f"FAIL: {type(error).__name__}: {str(error)[:160]}"])
+                failure = f"FAIL: {type(error).__name__}: {str(error)[:160]}"
+                rows.append([label, "", f"{reference:.4f}", "", "", "", failure])
                 continue
             difference = abs(step["loss"] - reference) / abs(reference)
             problems = []
@@ -294,7 +300,8 @@ def training_rows(device, dry: bool) -> list[list[Any]]:
                 problems.append(f"{step['logits']} logits, not bfloat16")
             if re.search(r", 0 (Linear|compiled)", step["detail"]):  # the variant changed nothing
                 problems.append(step["detail"])
-            rows.append([label, step["detail"], f"{reference:.4f}", step["logits"], f"{step['loss']:.4f} ({difference:.1e})", f"{step['after']:.4f}",
+            rows.append([label, step["detail"], f"{reference:.4f}", step["logits"],
+                         f"{step['loss']:.4f} ({difference:.1e})", f"{step['after']:.4f}",
                          "FAIL: " + ", ".join(problems) if problems else "pass"])
     finally:
         dist.destroy_process_group()
@@ -342,8 +349,8 @@ def report(options: argparse.Namespace, argv: list[str]) -> tuple[str, bool]:
     steps = training_rows(device, options.dry)
     seconds["training steps"] = time.perf_counter() - start
     lines += ["Training steps (tiny Llama twin, packed batch, one AdamW step; loss relative to the fp32 eager loss):",
-              "", markdown_table(["step", "what ran", "fp32 eager loss", "logits dtype", "step loss (relative diff)", "loss after the step",
-                                  "result"], steps), ""]
+              "", markdown_table(["step", "what ran", "fp32 eager loss", "logits dtype", "step loss (relative diff)",
+                                  "loss after the step", "result"], steps), ""]
     models = ["tiny"] if options.dry else ["tiny", options.large]
     throughput: list[str] = []
     for model in models:

@@ -64,8 +64,8 @@ def test_a_missing_kernel_package_is_skipped_on_a_gpu(gpu_check):
 
 
 def test_a_failing_check_exits_1_and_says_so(gpu_check, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(gpu_check, "training_rows", lambda device, dry: [["FSDP2 1 process, bf16", "", "6.2", "bfloat16",
-                                                                           "9.0 (4.5e-01)", "9.0", "FAIL: loss off"]])
+    failed = ["FSDP2 1 process, bf16", "", "6.2", "bfloat16", "9.0 (4.5e-01)", "9.0", "FAIL: loss off"]
+    monkeypatch.setattr(gpu_check, "training_rows", lambda device, dry: [failed])
     monkeypatch.setattr(gpu_check.gpu_throughput, "throughput_rows", lambda options, device: ([], "none"))
     output = tmp_path / "report.md"
     assert gpu_check.main(["--dry", "--output", str(output)]) == 1
