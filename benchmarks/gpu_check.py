@@ -235,8 +235,10 @@ def training_step(variant: str, device, dry: bool) -> dict[str, Any]:
     from sft_recipes.fp8 import convert_to_fp8_training
 
     model = tiny_llama().to(device)
+    attention = gpu_throughput.attention_implementation(device)  # what recipes run: flash-attn when installed
+    model.set_attn_implementation(attention)  # fp32 master weights: transformers warns, the compute is bf16
     batch = to_device(packed_batch(model.config.vocab_size), device)
-    detail = f"{len(model.model.layers)} layers sharded"
+    detail = f"{attention}, {len(model.model.layers)} layers sharded"
     if "fp8" in variant:
         converted = convert_to_fp8_training(model, fsdp=True)
         detail += f", {len(converted)} Linear layers in float8"

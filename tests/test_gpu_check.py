@@ -36,14 +36,14 @@ def test_dry_run_reports_kernels_skipped_and_trains_in_bf16(gpu_check, tmp_path,
                        "causal-conv1d": "skipped: no GPU (--dry)"}
     steps = {row["step"]: row for row in table_rows(report, "step")}
     bf16 = steps["FSDP2 1 process, bf16"]
-    assert bf16["result"] == "pass" and bf16["logits dtype"] == "bfloat16" and bf16["what ran"] == "2 layers sharded"
+    assert bf16["result"] == "pass" and bf16["logits dtype"] == "bfloat16" and bf16["what ran"] == "sdpa, 2 layers sharded"
     assert number(bf16["loss after the step"]) < number(bf16["fp32 eager loss"])  # the AdamW step learned
     compiled = steps["FSDP2 1 process, bf16 + torch_compile (CPU, dynamo eager backend)"]
     assert compiled["result"] == "pass" and compiled["logits dtype"] == "bfloat16"
-    assert compiled["what ran"] == "2 layers sharded, 2 compiled"
+    assert compiled["what ran"] == "sdpa, 2 layers sharded, 2 compiled"
     fp8 = steps["FSDP2 1 process, bf16 + fp8 (CPU, emulated)"]
     assert fp8["result"] == "pass", fp8  # torchao (requirements-test.txt) emulates float8 on CPU
-    assert fp8["what ran"] == "2 layers sharded, 14 Linear layers in float8"  # q, k, v, o, gate, up, down x 2
+    assert fp8["what ran"] == "sdpa, 2 layers sharded, 14 Linear layers in float8"  # q, k, v, o, gate, up, down x 2
     throughput = [row for row in table_rows(report, "batches") if row["kernels"] == "plain"]
     assert [row["batches"] for row in throughput] == ["padded", "packed"]
     assert all(number(row["real tokens/s"]) > 0 and row["MFU"] == "n/a" for row in throughput)
