@@ -84,3 +84,12 @@ def test_without_a_gpu_one_error_line_and_exit_2(gpu_check, monkeypatch, tmp_pat
 def test_default_report_name_is_dated_and_names_the_gpu(gpu_check):
     path = gpu_check.default_output("NVIDIA H200 NVL")
     assert path.parent == BENCHMARKS and path.name.startswith("gpu_check_20") and path.name.endswith("_H200-NVL.md")
+
+
+def test_gpu_throughput_sizes_and_the_tiny_models_vocabulary(gpu_check):
+    large = gpu_check.throughput_options("3b", dry=False)
+    assert (large.model, large.block, large.blocks_per_step, large.steps, large.tokenizer_args) == ("3b", 8192, 2, 10, {})
+    tiny = gpu_check.throughput_options("tiny", dry=False)
+    # the Llama-3 stand-in's ids (128k) would overflow the tiny shape's embedding; the quick tokenizer's fit it
+    assert tiny.tokenizer_args["vocab_size"] <= gpu_check.gpu_throughput.MODEL_SIZES["tiny"]["vocab_size"]
+    assert gpu_check.parse_args([]).large == "1b"
