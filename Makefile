@@ -107,16 +107,21 @@ TASKS ?= alpaca_answers gsm8k_local
 eval: $(VENV)/.installed-eval
 	$(PY) scripts/evaluate.py $(or $(OUT),$(DEMO_DIR)) --tasks $(TASKS) $(ARGS)
 
+# Two pytest workers (pytest-xdist), each test module on one of them, so a module's fixture runs once: a run
+# of the tiny twins leaves a core idle much of the time (docs/testing.md). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q tests --durations=25
+	$(PYTEST) tests --durations=25
 
 test-fast: $(VENV)/.installed-test
-	$(PY) -m pytest -q tests -m "not fsdp"
+	$(PYTEST) tests -m "not fsdp"
 
 # One area of the suite (tests/conftest.py AREAS, docs/testing.md), its multi-process runs included.
 AREA ?= data
 test-area: $(VENV)/.installed-test
-	$(PY) -m pytest -q tests -m $(AREA)
+	$(PYTEST) tests -m $(AREA)
 
 # Multi-node: run the same command on every node. Cluster runtimes set NUM_NODES, NODE_RANK,
 # MASTER_ADDR, MASTER_PORT and LOCAL_WORLD_SIZE; Slurm users: sbatch scripts/slurm_multinode.sbatch.

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import re
 import socket
 import subprocess
@@ -44,7 +43,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import gpu_throughput  # noqa: E402
+import gpu_throughput  # noqa: E402  (puts src/ on the path)
+from sft_recipes.environment import set_runtime_defaults  # noqa: E402
 from common import markdown_table  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: make gpu-check needs a CUDA GPU and torch sees none (torch.cuda.is_available() is False): "
               "run it on a GPU machine, or `make gpu-check DRY=1` for the CPU dry run", file=sys.stderr)
         return 2
-    os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    set_runtime_defaults()  # the CUDA allocator setting a run gets; nothing on a machine without a GPU
     text, passed = report(options, argv)
     if options.output:
         output = Path(options.output)

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -56,6 +55,7 @@ from corpus import REALWORLD_DIR  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(1, str(REPO_ROOT / "src"))  # works without an editable install of sft_recipes too
+from sft_recipes.environment import set_runtime_defaults  # noqa: E402
 
 # Llama-3.2 shapes (the 1B and 3B members of the Llama-3 family); everything else from Llama-3.1-8B's config.
 MODEL_SIZES = {
@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     if options.qwen3_5_reference:
         qwen3_5_reference_child(options.qwen3_5_reference, options.qwen_lengths)
         return 0
-    os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    set_runtime_defaults()  # the CUDA allocator setting a run gets; nothing on a machine without a GPU
     text = report(options, [__file__, *argv])
     print(text)
     if options.output:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from warm_launcher import WarmLauncher
+from warm_launcher import WarmLauncher, import_time_environment
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Real chat templates, configs and data rows with their sources: byte-for-byte copies of the team's
@@ -87,18 +87,19 @@ def run_command(cmd: list[str], env: dict[str, str] | None = None, timeout: int 
         log_launch("warm", cmd, started)
         return result
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
-    log_launch("real", cmd, started)
+    differs = sorted(set(import_time_environment(full_env).items()) ^ set(import_time_environment(warm_launcher().env).items()))
+    log_launch("real", cmd, started, f"import-time environment differs: {dict(differs)}" if differs else "")
     return result
 
 
-def log_launch(launcher: str, cmd: list[str], started: float) -> None:
+def log_launch(launcher: str, cmd: list[str], started: float, why: str = "") -> None:
     """With SFT_TESTS_LAUNCH_LOG=FILE, one line per command a test runs: the launcher that served it, its
     wall time and the test (docs/testing.md: which runs go where, and what they cost)."""
     if path := os.environ.get("SFT_TESTS_LAUNCH_LOG"):
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
         script = next((part for part in cmd if part.endswith((".py", ".sh"))), cmd[0])
         with open(path, "a") as log:
-            log.write(f"{launcher}\t{time.monotonic() - started:.1f}\t{Path(script).name}\t{test}\n")
+            log.write(f"{launcher}\t{time.monotonic() - started:.1f}\t{Path(script).name}\t{test}\t{why}\n")
 
 
 def launch_sft(recipe: Path, *overrides: str, nproc: int = 2, env: dict[str, str] | None = None,
@@ -163,11 +164,17 @@ LAUNCH_ENV_PREFIXES = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")  # what an
 @pytest.fixture(autouse=True)
 def no_launch_environment_left_behind():
     """Every test leaves the launch variables as it found them: one that exports a config into the pytest process
-    changes what every later in-process run (train() under a decorator stand-in, lint) reads."""
+    changes what every later in-process run (train() under a decorator stand-in, lint) reads. So too the variables
+    read at import time (warm_launcher.IMPORT_TIME_PREFIXES): with one changed, every later run of the session
+    differs from the warm launcher's environment and goes to the real launcher, at ~10 s more a run."""
     before = {name: value for name, value in os.environ.items() if name.startswith(LAUNCH_ENV_PREFIXES)}
+    imports_before = import_time_environment(os.environ)
     yield
     after = {name: value for name, value in os.environ.items() if name.startswith(LAUNCH_ENV_PREFIXES)}
     assert after == before, f"the test changed the launch environment: {sorted(set(after.items()) ^ set(before.items()))}"
+    imports_after = import_time_environment(os.environ)
+    assert imports_after == imports_before, ("the test changed the import-time environment: "
+                                             f"{sorted(set(imports_after.items()) ^ set(imports_before.items()))}")
 
 
 # ── Areas: `make test-area AREA=data` runs one area's tests, its multi-process runs included (docs/testing.md) ──
