@@ -17,10 +17,9 @@ import argparse
 import logging
 import sys
 
-from sft_recipes.environment import set_runtime_defaults, without_peft_unless_lora
+from sft_recipes.environment import set_runtime_defaults
 
 set_runtime_defaults()  # before anything imports huggingface_hub or touches CUDA
-without_peft_unless_lora(sys.argv[1:])  # before transformers: a run without use_peft never imports peft
 
 from sft_recipes.config import load_recipe
 from sft_recipes.distributed import process_group_destroyed_on_exit

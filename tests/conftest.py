@@ -194,7 +194,7 @@ AREAS = {
                   "smollm2", "mlflow_status", "replies", "benchmark_scores"),
     "entry": ("config", "recipes", "readme_commands", "notebooks", "python_api", "parameters_file",
               "workload_check", "workload_global_batch", "workload_runs", "suite_layout", "one_process_api",
-              "new_workload", "startup_imports"),
+              "new_workload"),
 }
 AREA_OF_FILE = {f"test_{name}.py": area for area, names in AREAS.items() for name in names}
 
