@@ -187,7 +187,7 @@ AREAS = {
     "distributed": ("distributed", "fsdp_cpu", "fsdp_wrap", "global_token_loss", "gptoss_fsdp", "hsdp",
                     "micro_batch_gradients", "qwen_fsdp", "sequence_parallel", "sequence_parallel_runs", "lora",
                     "merge", "mxfp4", "eval_loss", "vision_runs", "in_process", "launch", "bf16_runs", "compile_runs",
-                    "fp8"),
+                    "fp8", "gpu_check"),
     "fault": ("fault_checkpoints", "fault_guards", "fault_preemption_exit", "fault_resume", "output_disk",
               "world_size", "refusals", "preflight_launch"),
     "reporting": ("console", "export_check", "metrics", "reporting", "samples_chat", "summary", "vision_samples",

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from sft_recipes.scores import import_lm_eval
 from sft_recipes.scores.tasks import NO_FILTER, EvalTask, metric_keys
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def _cache_path(cache_dir: Path, model: str, task: EvalTask, settings: EvalSetti
 
 
 def _run_task(lm, task: EvalTask, settings: EvalSettings) -> dict[str, Any]:
-    import lm_eval
+    lm_eval = import_lm_eval()
     from lm_eval.tasks import TaskManager
 
     # A local task goes in as its parsed config (data paths made absolute); a registry task by name, through
@@ -114,6 +115,7 @@ def score_model(model, tokenizer, tasks: list[EvalTask], settings: EvalSettings,
             logger.info("%s: %s from the cache (%s)", task.name, json.loads(key)[0], path)
         else:
             if lm is None:
+                import_lm_eval()
                 from lm_eval.models.huggingface import HFLM
 
                 lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)

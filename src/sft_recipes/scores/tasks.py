@@ -20,6 +20,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from sft_recipes.scores import import_lm_eval
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SHIPPED_TASKS_DIR = REPO_ROOT / "evals" / "tasks"
 NO_FILTER = "none"  # lm-eval's filter name for a metric without a filter_list
@@ -45,8 +47,7 @@ class EvalTask:
     def fingerprint(self) -> str:
         """What decides this task's score besides the model: its config, its data files' bytes, the settings and
         lm-eval's version (a cache key part)."""
-        import lm_eval
-
+        lm_eval = import_lm_eval()
         digest = hashlib.sha256(json.dumps([self.name, self.config, self.limit, self.num_fewshot,
                                             lm_eval.__version__], sort_keys=True,
                                            default=_named).encode())
@@ -91,6 +92,7 @@ def read_task_file(path: Path) -> dict[str, Any]:
     """A local task YAML as lm-eval reads it (its `!function` and `include:` resolved), with relative data files
     made absolute: beside the YAML if there, else from the repository root (the shipped tasks' convention).
     ValueError names the file and what is wrong."""
+    import_lm_eval()
     from lm_eval.tasks._yaml_loader import load_yaml  # what lm-eval's TaskManager reads task files with
 
     try:
@@ -131,6 +133,7 @@ def unknown_metrics(config: dict[str, Any]) -> list[str]:
     A task with its own `process_results` returns whatever it computes: not checked."""
     if "process_results" in config:
         return []
+    import_lm_eval()
     import lm_eval.api.metrics  # noqa: F401  (importing it registers every built-in metric)
     from lm_eval.api.registry import metric_registry
 
