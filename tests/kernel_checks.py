@@ -23,12 +23,19 @@ import triton_interpreter  # noqa: E402  (before transformers: sets the interpre
 modeling_qwen3_5 = triton_interpreter.install()
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # noqa: E402
 
 from sft_recipes.architectures import check_packing_leak, prepare_for_packing  # noqa: E402
-from sft_recipes.architectures.preflight import check_image_packing_leak  # noqa: E402
+from sft_recipes.architectures.preflight import (  # noqa: E402
+    check_image_packing_leak,
+    example_inputs,
+    probe_image_examples,
+)
+from sft_recipes.architectures.qwen3_5 import prepare_for_image_packing  # noqa: E402
 from sft_recipes.architectures.registry import PACKING_QUIRKS  # noqa: E402
+from sft_recipes.data.blocks import join_examples  # noqa: E402
 from sft_recipes.data.collator import BlockDiagonalCollator  # noqa: E402
+from sft_recipes.data.vision import VisionBlockCollator  # noqa: E402
 from sft_recipes.tiny import tiny_config  # noqa: E402
 
 LENGTHS = (11, 6, 9)
@@ -131,6 +138,45 @@ def check_text(results: dict) -> None:
         results["fla_two_rows_error"] = str(error)
 
 
+def check_vlm(results: dict) -> None:
+    """The VLM class of the twin (Qwen3_5ForConditionalGeneration, its vision tower) on image + text examples:
+    two packed blocks per device batch, collated by VisionBlockCollator, against each example run alone."""
+    config = twin_config()
+    # The probe's random text ids stay below the vision ids: put those at the top of the vocabulary.
+    for offset, key in enumerate(("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")):
+        setattr(config, key, config.text_config.vocab_size - 1 - offset)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float()
+    PACKING_QUIRKS["qwen3_5"].expose_leaks(model)
+    prepare_for_packing(model)
+    prepare_for_image_packing(model)
+    probe = probe_image_examples(config)  # 11, 6, 9 text tokens with 2, 0 and 1 images' tokens among them
+    blocks = [join_examples([vars(example) for example in probe[:2]]), join_examples([vars(probe[2])])]
+    width = max(len(block["input_ids"]) for block in blocks)
+    batch = VisionBlockCollator(width, pad_token_id=0)(blocks)
+    results["vlm_shape"] = list(batch["input_ids"].shape)
+    results["vlm_images"] = int(batch["image_grid_thw"].shape[0])
+    packed = run(model, batch)
+    # Alone: each example through the model's own path (it computes its mRoPE positions), the packed loss
+    # rebuilt as the target-weighted mean of the examples' losses.
+    targets = [sum(label != -100 for label in example.labels[1:]) for example in probe]
+    model.zero_grad()
+    logits, loss = [], 0.0
+    for example, count in zip(probe, targets):
+        output = model(**example_inputs(example, model.config, "cpu"), use_cache=False)
+        (output.loss * count / sum(targets)).backward()
+        logits.append(output.logits[0].detach())
+        loss += output.loss.item() * count / sum(targets)
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    width_alone = max(len(example.input_ids) for example in probe)
+    separate_logits = torch.zeros(len(probe), width_alone, logits[0].shape[-1])
+    for index, example_logits in enumerate(logits):
+        separate_logits[index, : len(example_logits)] = example_logits
+    lengths = [len(example.input_ids) for example in probe]
+    places = [(0, 0, lengths[0]), (0, lengths[0], lengths[1]), (1, 0, lengths[2])]
+    results["vlm_two_rows"] = compare(packed, (separate_logits, grads, loss), places)
+
+
 class _Messages(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
@@ -154,7 +200,7 @@ def check_preflights(results: dict) -> None:
 
 def main() -> None:
     results: dict = {}
-    for check in (check_text, check_preflights):
+    for check in (check_text, check_vlm, check_preflights):
         started = time.perf_counter()
         try:
             check(results)

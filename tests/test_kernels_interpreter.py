@@ -47,6 +47,16 @@ def test_packed_equals_separate_on_fla_forward_and_backward(kernel_results, layo
     assert differences["grads_relative"] < TOLERANCE
 
 
+def test_vlm_two_image_blocks_per_batch_equal_their_examples_alone_on_fla(kernel_results):
+    # Qwen3_5ForConditionalGeneration with its vision tower: [ex 1 (2 images) | ex 2] and [ex 3 (1 image) | pad].
+    no_error(kernel_results, "check_vlm")
+    assert kernel_results["vlm_shape"][0] == 2 and kernel_results["vlm_images"] == 3
+    differences = kernel_results["vlm_two_rows"]
+    assert differences["logits"] < TOLERANCE
+    assert differences["loss"] < TOLERANCE
+    assert differences["grads_relative"] < TOLERANCE
+
+
 def test_fla_refuses_two_rows_that_our_dispatcher_flattens(kernel_results):
     # What fla requires of cu_seqlens: a batch of one row. Two packed blocks per device reach it as one row of 34.
     no_error(kernel_results, "check_text")
