@@ -47,7 +47,8 @@ def install_segment_aware_fallbacks(modeling_module: ModuleType) -> None:
     """Make ``modeling_module``'s torch conv and gated-delta paths honour ``seq_idx``/``cu_seqlens``.
 
     ``modeling_module`` is a transformers modeling module with the qwen3_5 gated-delta layout
-    (``causal_conv1d_fn`` and ``torch_chunk_gated_delta_rule`` at module level). Idempotent.
+    (``causal_conv1d_fn`` and ``torch_chunk_gated_delta_rule`` at module level). Where fla is bound,
+    its gated-delta kernel gets a batch of packed rows as the one row it accepts. Idempotent.
     """
     conv = modeling_module.causal_conv1d_fn
     if not _is_installed(conv) and not kernel_bound(conv):
