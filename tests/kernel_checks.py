@@ -111,7 +111,9 @@ def check_text(results: dict) -> None:
     results["kernel"] = inspect.getclosurevars(dispatcher.__wrapped__).nonlocals["implementation"].__module__
     separate = run(model, separate_batch(ids))
     # One block per row: [11 | 6 | 9 | pad 6], as pack_blocks + the collator build it.
-    one_row = BlockDiagonalCollator(max_length=32, pad_token_id=0, split_examples=False)([{"input_ids": i} for i in ids])
+    one_row = BlockDiagonalCollator(max_length=32, pad_token_id=0, split_examples=False)(
+        [{"input_ids": example} for example in ids]
+    )
     results["one_row_shape"] = list(one_row["input_ids"].shape)
     results["one_row"] = compare(run(model, one_row), separate, [(0, 0, 11), (0, 11, 6), (0, 17, 9)])
     # Two packed blocks per device batch (per_device_train_batch_size 2): [11 | 6] and [9 | pad 8].

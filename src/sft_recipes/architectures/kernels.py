@@ -4,7 +4,7 @@ transformers 5.23 (``integrations/hub_kernels.use_kernel_func_from_hub_with_fall
 package's kernel -- fla's gated-delta rule for qwen3_5 -- when the package *imports*, not when it
 can run. fla-core imports on a machine without a GPU, and its Triton kernels then fail at their
 first call (``RuntimeError: 0 active drivers``), even for an unpacked forward. Triton runs them on a
-CUDA/ROCm device, or on CPU through its interpreter (``TRITON_INTERPRET=1``, which the test suite's
+GPU (CUDA, ROCm, Intel XPU), or on CPU through its interpreter (``TRITON_INTERPRET=1``, which the test suite's
 kernel tests set: ``tests/triton_interpreter.py``). Anywhere else
 `use_torch_references_where_triton_cannot_run` puts transformers' own torch reference back, so a
 venv with fla installed trains the CPU twins exactly as one without it.
@@ -23,15 +23,17 @@ import torch
 
 # Modeling modules whose module-level functions transformers may have bound to a Triton package (fla).
 TRITON_BOUND_FUNCTIONS = {
-    "transformers.models.qwen3_5.modeling_qwen3_5": ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
+    "transformers.models.qwen3_5.modeling_qwen3_5": (
+        "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+    ),
 }
 # Set on a reference put back in place of a kernel that cannot run here.
 _REFERENCE_ONLY = "_sft_recipes_reference_only"
 
 
 def triton_runs_here() -> bool:
-    """Whether Triton kernels can run in this process: a GPU (CUDA or ROCm), or Triton's CPU interpreter."""
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether Triton kernels can run in this process: a GPU (CUDA, ROCm, Intel XPU), or Triton's CPU interpreter."""
+    return torch.cuda.is_available() or torch.xpu.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def kernel_bound(transformers_function: Callable) -> bool:
