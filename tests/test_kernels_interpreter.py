@@ -1,8 +1,8 @@
 """fla's real Triton kernels, run on CPU by Triton's interpreter, on the qwen3_5 twins through our packing path.
 
-One fresh interpreter (``tests/kernel_checks.py``, set up by ``tests/triton_interpreter.py`` before transformers
-imports) runs every check once, ~50 s on 2 cores; each test asserts on its part of the results. The same model
-and examples (11, 6, 9 tokens) run packed and as separate sequences (each alone in its own row); tolerances
+One fresh interpreter (``tests/kernel_checks.py``, set up by ``tests/triton_interpreter.py`` before
+transformers imports) runs every check once (55 s on the 2 shared cores); each test asserts on its part of
+the results. The same model and examples (11, 6, 9 tokens) run packed and as separate sequences; tolerances
 are fp32 rounding, measured leaks are > 0.5 (docs/kernels.md).
 """
 
