@@ -180,8 +180,8 @@ def no_launch_environment_left_behind():
 # ── Areas: `make test-area AREA=data` runs one area's tests, its multi-process runs included (docs/testing.md) ──
 AREAS = {
     "data": ("alpaca_chat", "audit", "blocks", "data_validation", "formats", "masking", "masking_real_tokenizers",
-             "mixture", "packing", "packing_equivalence", "reasoning", "sample_data", "stream_drops", "vision",
-             "tiny", "passes", "packed_passes_runs", "tools", "turns", "dataset_shapes"),
+             "mixture", "packing", "packing_equivalence", "kernels_interpreter", "reasoning", "sample_data",
+             "stream_drops", "vision", "tiny", "passes", "packed_passes_runs", "tools", "turns", "dataset_shapes"),
     "planner": ("plan", "planner_communication", "dry_run", "hsdp_layout", "lint", "benchmarks_smoke", "planner_package",
                 "planner_advice"),
     "distributed": ("distributed", "fsdp_cpu", "fsdp_wrap", "global_token_loss", "gptoss_fsdp", "hsdp",

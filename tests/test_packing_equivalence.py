@@ -5,6 +5,7 @@ literally) is run through the same model on its own, and the loss is rebuilt fro
 Negative controls show the comparison does catch the leaks it guards against.
 """
 
+import inspect
 import sys
 import types
 
@@ -213,7 +214,7 @@ def test_segment_aware_delta_rule_equals_each_example_alone_and_reference_leaks(
     assert (leaky[:, :5] - alone[:, :5]).abs().max() < 1e-6
 
 
-def test_bound_kernels_stay_in_place_and_receive_the_boundaries(monkeypatch):
+def test_bound_kernels_receive_the_boundaries_and_fla_one_row(monkeypatch):
     received = {}
 
     def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, activation=None):
@@ -221,8 +222,10 @@ def test_bound_kernels_stay_in_place_and_receive_the_boundaries(monkeypatch):
         return x
 
     def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None):
-        received["cu_seqlens"] = cu_seqlens
-        return v, None
+        if cu_seqlens is not None and q.shape[0] != 1:  # as fla-core 0.6.0 refuses it
+            raise ValueError(f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`.")
+        received["cu_seqlens"], received["rows"] = cu_seqlens, list(q.shape[:2])
+        return v * 2, None
 
     conv_package = types.ModuleType("fake_causal_conv1d")
     conv_package.causal_conv1d_fn = causal_conv1d_fn
@@ -238,14 +241,54 @@ def test_bound_kernels_stay_in_place_and_receive_the_boundaries(monkeypatch):
     bind_kernel = use_kernel_func_from_hub_with_fallback
     modeling.causal_conv1d_fn = bind_kernel("causal_conv1d_fn", "fake_causal_conv1d")(torch_path)
     modeling.torch_chunk_gated_delta_rule = bind_kernel("chunk_gated_delta_rule", "fake_fla")(torch_path)
-    bound = (modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule)
+    conv = modeling.causal_conv1d_fn
     install_segment_aware_fallbacks(modeling)
-    assert (modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule) == bound
+    assert modeling.causal_conv1d_fn is conv  # causal-conv1d takes seq_idx per row: left in place
 
     seq_idx, cu_seqlens = torch.zeros(1, 4, dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32)
     modeling.causal_conv1d_fn(torch.zeros(1, 2, 4), torch.zeros(2, 4), None, activation="silu", seq_idx=seq_idx)
     modeling.torch_chunk_gated_delta_rule(*[torch.zeros(1, 4, 1, 2)] * 3, g=None, beta=None, cu_seqlens=cu_seqlens)
     assert received["seq_idx"] is seq_idx and received["cu_seqlens"] is cu_seqlens
+
+    # Two packed rows of 4 reach the kernel as one row of 8; the row edge 4 joins cu_seqlens that lack it.
+    value = torch.arange(16.0).reshape(2, 4, 1, 2)
+    output, _ = modeling.torch_chunk_gated_delta_rule(
+        value, value, value, g=value[..., 0], beta=value[..., 0], cu_seqlens=torch.tensor([0, 3, 8], dtype=torch.int32)
+    )
+    assert received["rows"] == [1, 8] and received["cu_seqlens"].tolist() == [0, 3, 4, 8]
+    assert torch.equal(output, value * 2)
+
+
+def test_two_rows_handed_to_a_one_row_kernel_compute_what_the_two_rows_do():
+    """The flattening itself is exact: a one-row-only stand-in (our torch rule) gives the two-row result."""
+    from sft_recipes.architectures.qwen3_5 import _one_row_chunk_rule
+
+    def one_row_only(query, *args, cu_seqlens=None, **kwargs):
+        assert query.shape[0] == 1
+        return CHUNK_RULE(query, *args, cu_seqlens=cu_seqlens, **kwargs)
+
+    query, key, value, g, beta = (x.reshape(2, 7, *x.shape[2:]) for x in delta_rule_inputs([5, 3, 6]))
+    cu_seqlens = torch.tensor([0, 5, 7, 8, 14], dtype=torch.int32)  # [5 | 2 of 3] [1 of 3 | 6]
+    kwargs = dict(g=g, beta=beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+    two_rows, _ = CHUNK_RULE(query, key, value, **kwargs)
+    flattened, _ = _one_row_chunk_rule(one_row_only)(query, key, value, **kwargs)
+    assert flattened.shape == two_rows.shape == (2, 7, 2, 8)
+    assert torch.equal(flattened, two_rows)
+
+
+def test_fla_installed_without_a_gpu_runs_transformers_torch_reference():
+    # transformers binds fla whenever it imports; without a GPU or Triton's interpreter it cannot run
+    # (RuntimeError: 0 active drivers), so sft_recipes.architectures.kernels puts the torch reference back.
+    import importlib.util
+
+    from sft_recipes.architectures.kernels import kernel_bound, triton_runs_here
+
+    assert not triton_runs_here()
+    assert importlib.util.find_spec("fla") is not None, "fla-core is in requirements-test.txt"
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        function = getattr(modeling_qwen3_5, name)
+        assert not kernel_bound(function)
+        assert inspect.unwrap(function).__module__ == modeling_qwen3_5.__name__
 
 
 # --- the preflight ------------------------------------------------------------------------------

@@ -58,11 +58,13 @@ def resolve_model_path(model_name_or_path: str) -> str:
 
 def model_class_for(config) -> type[PreTrainedModel]:
     """The class the checkpoint was saved from (e.g. Qwen3_5ForConditionalGeneration)."""
-    for name in config.architectures or []:
-        cls = getattr(transformers, name, None)
-        if cls is not None:
-            return cls
-    return transformers.AutoModelForCausalLM
+    from sft_recipes.architectures.kernels import use_torch_references_where_triton_cannot_run
+
+    cls = next((getattr(transformers, name) for name in config.architectures or [] if hasattr(transformers, name)),
+               transformers.AutoModelForCausalLM)
+    # Resolving the class imported its modeling module, which may have bound a Triton kernel that cannot run here.
+    use_torch_references_where_triton_cannot_run()
+    return cls
 
 
 def load_tokenizer(model_args, model_path: str | None = None) -> PreTrainedTokenizerBase:

@@ -3,7 +3,7 @@
 Runs in seconds on CPU: the recipe's config shrunk (sizes only; layer pattern, head dims, rope,
 conv width and the other structure stay real), a random model with any leak made large
 (``PackingQuirk.expose_leaks``), prepared exactly as training prepares it, then three examples
-packed in one row against the same examples run alone.
+packed in a batch of two rows against the same examples run alone.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from sft_recipes.data.collator import pack_kwargs
+from sft_recipes.data.collator import BlockDiagonalCollator
 from sft_recipes.architectures.registry import PACKING_QUIRKS, prepare_for_packing
 from sft_recipes.errors import RecipeError
 
@@ -74,7 +74,7 @@ def check_packing_leak(
     if difference > tolerance:
         raise RecipeError(
             f"Packed examples leak into each other for model_type {config.model_type!r} with attention "
-            f"{attention!r}: examples packed in one row differ from the same examples run alone by up to "
+            f"{attention!r}: examples packed in a batch differ from the same examples run alone by up to "
             f"{difference:.2e} (tolerance {tolerance:.0e}). Turn packing off for this recipe, or add a fix for "
             f"{model.config.model_type!r} to sft_recipes.architectures.registry.PACKING_QUIRKS until this check passes."
         )
@@ -85,23 +85,33 @@ def check_packing_leak(
 
 
 def packed_vs_separate_difference(model: torch.nn.Module, lengths: tuple[int, ...]) -> float:
-    """Max |difference| of logits and loss between ``lengths``-long random examples packed and alone."""
+    """Max |difference| of logits and loss between ``lengths``-long random examples packed and alone.
+
+    Packed as a device batch of two blocks, as training gives a model ``per_device_train_batch_size`` > 1: the
+    first two examples in one row, the rest in a second row padded to the same length (a kernel that takes
+    ``cu_seqlens`` only for one row, as fla's does, is exercised the way training uses it).
+    """
     generator = torch.Generator().manual_seed(0)
     device = next(model.parameters()).device
-    examples = [torch.randint(0, model.config.vocab_size, (n,), generator=generator).to(device) for n in lengths]
-    row = torch.cat(examples).unsqueeze(0)
-    packed_kwargs = {
-        key: value.to(device) if torch.is_tensor(value) else value
-        for key, value in pack_kwargs(lengths, labels=row).items()
-    }
+    examples = [torch.randint(0, model.config.vocab_size, (n,), generator=generator) for n in lengths]
+    blocks = [{"input_ids": torch.cat(part).tolist(), "seq_lengths": [len(e) for e in part]}
+              for part in (examples[:2], examples[2:])]
+    width = max(len(block["input_ids"]) for block in blocks)
+    batch = BlockDiagonalCollator(width, pad_token_id=0, block_per_row=True)(blocks)
+    batch = {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
     with torch.no_grad():
-        packed = model(input_ids=row, use_cache=False, **packed_kwargs)
-        alone = [model(input_ids=ids.unsqueeze(0), labels=ids.unsqueeze(0), use_cache=False) for ids in examples]
-    separate_logits = torch.cat([output.logits[0] for output in alone])
+        packed = model(**batch, use_cache=False)
+        alone = [model(input_ids=ids.to(device).unsqueeze(0), labels=ids.to(device).unsqueeze(0), use_cache=False)
+                 for ids in examples]
+    places = [(0, 0), (0, lengths[0]), *((1, sum(lengths[2:i])) for i in range(2, len(lengths)))]
+    logit_difference = max(
+        (packed.logits[row, start : start + len(ids)] - output.logits[0]).abs().max().item()
+        for (row, start), ids, output in zip(places, examples, alone)
+    )
     # Each example contributes len - 1 targets, packed or alone, so the packed mean is this weighted mean.
     targets = torch.tensor(lengths, device=device) - 1
     separate_loss = (torch.stack([output.loss for output in alone]) * targets).sum() / targets.sum()
-    return max((packed.logits[0] - separate_logits).abs().max().item(), (packed.loss - separate_loss).abs().item())
+    return max(logit_difference, (packed.loss - separate_loss).abs().item())
 
 
 def shrink_config(config: PretrainedConfig) -> PretrainedConfig:

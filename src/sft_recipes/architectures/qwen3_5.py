@@ -16,17 +16,28 @@ because the layer looks the functions up by name; it changes nothing but the cal
 otherwise raise: without boundary kwargs, or with a kernel, the original function runs untouched
 with the same kwargs. The cached single-token decode path (``torch_recurrent_gated_delta_rule``)
 never sees packed rows and is left alone.
+
+Where fla's kernel is bound, it takes ``cu_seqlens`` only with a batch of one row (``ValueError: The
+batch size is expected to be 1 rather than 2 when using cu_seqlens``, ``fla/ops/gated_delta_rule/
+chunk.py``), while a packed micro-batch is ``[B, max_length]`` with ``cu_seqlens`` over its B x
+max_length tokens flattened (``data/collator.pack_kwargs``). The gated-delta name then gets a
+dispatcher that hands the kernel those B rows as one row of B x max_length tokens -- the same
+computation, as fla's docstring prescribes -- and gives the output back as B rows. Every other layer
+already takes B rows: flash-attention varlen flattens the batch itself for ``cu_seq_lens_q/k``, sdpa
+and eager build their block-diagonal masks per row from ``position_ids``, and causal-conv1d reads
+``seq_idx`` per row.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
+
+from sft_recipes.architectures.kernels import kernel_bound
 
 # Set on our dispatchers so installing twice does not wrap a wrapper.
 _SEGMENT_AWARE = "_sft_recipes_segment_aware"
@@ -36,14 +47,16 @@ def install_segment_aware_fallbacks(modeling_module: ModuleType) -> None:
     """Make ``modeling_module``'s torch conv and gated-delta paths honour ``seq_idx``/``cu_seqlens``.
 
     ``modeling_module`` is a transformers modeling module with the qwen3_5 gated-delta layout
-    (``causal_conv1d_fn`` and ``torch_chunk_gated_delta_rule`` at module level). Idempotent.
+    (``causal_conv1d_fn`` and ``torch_chunk_gated_delta_rule`` at module level). Where fla is bound,
+    its gated-delta kernel gets a batch of packed rows as the one row it accepts. Idempotent.
     """
     conv = modeling_module.causal_conv1d_fn
-    if not _is_installed(conv) and not _kernel_bound(conv):
+    if not _is_installed(conv) and not kernel_bound(conv):
         modeling_module.causal_conv1d_fn = _segment_aware_conv(conv)
     chunk = modeling_module.torch_chunk_gated_delta_rule
-    if not _is_installed(chunk) and not _kernel_bound(chunk):
-        modeling_module.torch_chunk_gated_delta_rule = _segment_aware_chunk_rule(chunk)
+    if not _is_installed(chunk):
+        fix = _one_row_chunk_rule if kernel_bound(chunk) else _segment_aware_chunk_rule
+        modeling_module.torch_chunk_gated_delta_rule = fix(chunk)
 
 
 def segment_bounds(
@@ -82,18 +95,6 @@ def segment_bounds(
 
 def _is_installed(function: Callable) -> bool:
     return getattr(function, _SEGMENT_AWARE, False)
-
-
-def _kernel_bound(transformers_function: Callable) -> bool:
-    """Whether transformers bound a package kernel behind this function (it decides once, at import)."""
-    # Ask transformers' own dispatcher, also when ours (or sequence parallelism's) are installed in
-    # front of it: each keeps the function it wraps as __wrapped__.
-    decision = inspect.getclosurevars(transformers_function).nonlocals.get("is_new_implementation")
-    while decision is None and hasattr(transformers_function, "__wrapped__"):
-        transformers_function = transformers_function.__wrapped__
-        decision = inspect.getclosurevars(transformers_function).nonlocals.get("is_new_implementation")
-    assert decision is not None, "transformers changed how it binds kernels; revisit sft_recipes.architectures.qwen3_5"
-    return decision
 
 
 def _mark(dispatcher: Callable, original: Callable) -> Callable:
@@ -162,6 +163,31 @@ def _segment_aware_chunk_rule(original: Callable) -> Callable:
         return output, torch.cat(final_states) if output_final_state else None
 
     return _mark(torch_chunk_gated_delta_rule, original)
+
+
+def _one_row_chunk_rule(kernel: Callable) -> Callable:
+    def torch_chunk_gated_delta_rule(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch_size, seq_len = query.shape[:2]
+        if cu_seqlens is None or batch_size == 1:
+            return kernel(query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, **kwargs)
+        # cu_seqlens count over the B rows back to back; rows always separate examples (as in segment_bounds),
+        # so every row edge is a boundary (our collators include them already).
+        row_edges = torch.arange(0, batch_size * seq_len + 1, seq_len, device=cu_seqlens.device)
+        cu_seqlens = torch.unique(torch.cat([cu_seqlens, row_edges.to(cu_seqlens.dtype)]))
+        one_row = (x.reshape(1, batch_size * seq_len, *x.shape[2:]) for x in (query, key, value, g, beta))
+        query, key, value, g, beta = one_row
+        output, final_state = kernel(query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, **kwargs)
+        return output.reshape(batch_size, seq_len, *output.shape[2:]), final_state
+
+    return _mark(torch_chunk_gated_delta_rule, kernel)
 
 
 # Boundary kwargs of the packed text rows (`data/collator.pack_kwargs`): Qwen3_5Model hands its **kwargs to the

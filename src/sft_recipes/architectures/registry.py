@@ -10,6 +10,10 @@ from transformers import PreTrainedModel
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from sft_recipes.architectures import gpt_oss, qwen3_5
+from sft_recipes.architectures.kernels import use_torch_references_where_triton_cannot_run
+
+# modeling_qwen3_5 bound fla when it imported; without a GPU (or Triton's interpreter) fla cannot run.
+use_torch_references_where_triton_cannot_run()
 
 
 @dataclass(frozen=True)

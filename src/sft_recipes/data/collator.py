@@ -103,8 +103,9 @@ class BlockDiagonalCollator:
     ``block_per_row=True``: every item is a block packed upstream (``pack_blocks``) and gets a row of
     its own, its unused tail padded; the collator packs nothing further.
 
-    With ``fla``'s gated-delta kernel (qwen3_5 on GPU), ``cu_seqlens`` requires a batch of one
-    row: give it one block per step (``max_length`` = the token budget).
+    ``cu_seq_lens_q/k`` count over the B rows back to back and include every row edge: fla's gated-delta
+    kernel takes ``cu_seqlens`` only with one row, and `architectures.qwen3_5` hands it the B rows as
+    that one row (docs/kernels.md).
     """
 
     max_length: int
