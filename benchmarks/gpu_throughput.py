@@ -272,10 +272,10 @@ def qwen3_5_outputs(model, device, lengths: tuple[int, ...]) -> dict[str, Any]:
 def bound_kernels() -> dict[str, bool]:
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    from sft_recipes.architectures.qwen3_5 import _kernel_bound
+    from sft_recipes.architectures.kernels import kernel_bound
 
-    return {"causal_conv1d": _kernel_bound(modeling_qwen3_5.causal_conv1d_fn),
-            "fla": _kernel_bound(modeling_qwen3_5.torch_chunk_gated_delta_rule)}
+    return {"causal_conv1d": kernel_bound(modeling_qwen3_5.causal_conv1d_fn),
+            "fla": kernel_bound(modeling_qwen3_5.torch_chunk_gated_delta_rule)}
 
 
 def qwen3_5_reference_child(directory: str, lengths: tuple[int, ...]) -> None:

@@ -211,7 +211,8 @@ def test_demo_real_scores_base_and_tuned_and_shows_them():
     tasks = parse_tasks(training.eval_tasks, training.eval_limit, training.eval_num_fewshot)
     assert [(t.name, t.limit) for t in tasks] == [("alpaca_answers", None), ("gsm8k_local", 10)]
     assert (training.eval_apply_chat_template, training.eval_max_gen_toks) == (True, 192)
-    dry = run_command(["make", "-n", "-o", ".venv/.installed", "-o", ".venv/.installed-eval", "-o", ".venv/.installed-real",
+    dry = run_command(["make", "--no-print-directory", "-n", "-o", ".venv/.installed", "-o", ".venv/.installed-eval",
+                       "-o", ".venv/.installed-real",
                        "demo-real"], launcher="real")
     assert dry.returncode == 0, dry.stderr
     assert dry.stdout.splitlines()[-2:] == [".venv/bin/python scripts/show_run.py outputs/demo-real",

@@ -45,6 +45,8 @@ class Records(logging.Handler):
 
 def test_kernel_fall_backs_are_one_line(capsys):
     logger, records = logging.getLogger(KERNELS_LOGGER), Records()
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # whatever verbosity an earlier test left transformers' loggers at
     one_line = one_kernel_fallback_line()
     logger.addHandler(records)
     try:
@@ -54,6 +56,7 @@ def test_kernel_fall_backs_are_one_line(capsys):
     finally:
         logger.removeFilter(one_line)
         logger.removeHandler(records)
+        logger.setLevel(level)
     assert records.messages == ["another warning"]
     assert capsys.readouterr().err.splitlines()[0] == (
         "[kernels] causal_conv1d / flash-linear-attention are not installed (GPU-only packages): their reference "

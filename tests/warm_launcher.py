@@ -154,7 +154,9 @@ def rank_environment(env: dict[str, str], rank: int, world_size: int) -> dict[st
             "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(world_size), "WORLD_SIZE": str(world_size),
             "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(world_size), "TORCHELASTIC_RESTART_COUNT": "0",
             "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+            # set in the agent's own environment by torch.distributed.launcher.api.launch_agent, so inherited
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT"}
 
 
 def fork_worker(request: dict, rank_env: dict[str, str], out: int, err: int) -> int:
