@@ -85,6 +85,14 @@ def test_cli_override_of_unknown_key_is_rejected(tmp_path):
         load_recipe(write_recipe(tmp_path), ["--max_step", "7"])
 
 
+def test_an_override_that_is_not_yaml_is_one_refusal_naming_the_key():
+    with pytest.raises(RecipeError) as refused:
+        parse_cli_overrides(["--eval_max_regression", "{alpaca_answers: 0.1"])
+    assert str(refused.value) == (
+        "--eval_max_regression '{alpaca_answers: 0.1' is not a YAML value (expected ',' or '}', but got '<stream end>'): "
+        "quote the value as one shell word and close its brackets, e.g. --eval_max_regression '{gsm8k_local: 0.02}'.")
+
+
 def test_bare_flag_means_true_and_positional_junk_is_rejected():
     assert parse_cli_overrides(["--use_cpu"]) == {"use_cpu": True}
     with pytest.raises(RecipeError, match="Unexpected argument 'stray'"):

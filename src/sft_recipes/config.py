@@ -403,7 +403,12 @@ def parse_cli_overrides(argv: list[str]) -> dict[str, Any]:
                 i += 1
             else:
                 raw = "true"
-        overrides[key] = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            overrides[key] = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or " ".join(str(err).split())
+            raise RecipeError(f"--{key} {raw!r} is not a YAML value ({problem}): quote the value as one shell word and "
+                              "close its brackets, e.g. --eval_max_regression '{gsm8k_local: 0.02}'.") from None
         i += 1
     return overrides
 
