@@ -23,7 +23,7 @@ help:
 	@echo "make chat OUT=DIR     chat with a run's export (ARGS='--prompt \"Hi\"' answers once and exits)"
 	@echo "make eval OUT=DIR [TASKS=...] [ARGS=...]  benchmark scores of an export, model folder or Hub id (lm-eval)"
 	@echo "make test             install test deps and run the suite (CPU, offline)"
-	@echo "make test-fast        the suite without the multi-process (fsdp-marked) runs"
+	@echo "make test-fast        the inner loop: no multi-process (fsdp) and no slow single-process runs"
 	@echo "make test-area AREA=data  one area's tests with its runs (data, planner, distributed, fault, reporting, entry)"
 	@echo "make llama-multinode  recipes/llama8b.yaml on NUM_NODES x LOCAL_WORLD_SIZE GPUs (run on every node) [ARGS=...]"
 	@echo "make qwen27b          recipes/qwen27b.yaml on 1 node x 8 GPUs [ARGS=...]"
@@ -116,7 +116,7 @@ test: $(VENV)/.installed-test
 	$(PYTEST) tests --durations=25
 
 test-fast: $(VENV)/.installed-test
-	$(PYTEST) tests -m "not fsdp"
+	$(PYTEST) tests -m "not fsdp and not slow"
 
 # One area of the suite (tests/conftest.py AREAS, docs/testing.md), its multi-process runs included.
 AREA ?= data

@@ -88,6 +88,7 @@ def test_a_bad_task_is_refused_by_the_launch_preflight_before_any_process_starts
                        "tasks: alpaca_answers).")
 
 
+@pytest.mark.slow
 def test_a_training_run_without_eval_tasks_never_imports_lm_eval():
     # Everything scripts/sft.py imports, the run's finish and scoring modules, and the lint of a recipe without tasks
     probe = ("import sys; sys.path.insert(0, 'scripts'); import sft; from sft_recipes.config import load_recipe; "

@@ -44,6 +44,7 @@ def number(cell: str) -> float:
     return float(cell.replace(",", "").rstrip("%xk"))
 
 
+@pytest.mark.slow
 def test_data_prep_quick_labels_match_the_seed_method(capsys):
     report = run_quick(capsys, "data_prep")
 
@@ -96,6 +97,7 @@ def test_train_throughput_cpu_quick_trains_every_strategy(capsys):
     assert number(rows["ours: pack_blocks + BlockDiagonalCollator"]["token slots"]) < number(padded["token slots"])
 
 
+@pytest.mark.fsdp
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_gpu_script_quick_on_cpu(capsys):
     report = run_quick(capsys, "gpu_throughput", "--device", "cpu")

@@ -65,6 +65,7 @@ def test_process_group_is_destroyed_however_the_script_exits(exit_code):
     assert not dist.is_initialized()
 
 
+@pytest.mark.fsdp
 @pytest.mark.parametrize("teardown", ["ours", "torch's"])
 def test_a_finished_run_leaves_no_gloo_thread_to_interpreter_exit(teardown, tmp_path):
     """The threads behind the SIGABRT after a clean run ("terminate called without an active exception"): torch's

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # one Triton-interpreter subprocess of ~1 min for the module
 TESTS = Path(__file__).resolve().parent
 TOLERANCE = 1e-5  # logits, loss and gradients relative to each tensor's largest entry (measured <= 1e-6)
 CLEAR_LEAK = 1e-1

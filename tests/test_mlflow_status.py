@@ -41,6 +41,7 @@ def test_each_way_an_attempt_ends_has_its_status():
         "FINISHED", "FINISHED", "KILLED", "FAILED", "FAILED", "FAILED", "KILLED"]
 
 
+@pytest.mark.slow
 def test_a_preempted_attempt_leaves_the_injected_run_killed_not_finished(tmp_path):
     """In a process of its own: what ends the run otherwise is MLflow's exit hook, as FINISHED."""
     client, run_id = injected_run(tmp_path / "mlflow.db")

@@ -46,6 +46,7 @@ def _refused_before_any_process(result, problem: str) -> None:
         assert launcher_output not in result.stdout + result.stderr, launcher_output
 
 
+@pytest.mark.slow
 def test_a_bad_override_through_the_launcher_is_one_line_before_torchrun():
     env = {"PATH": f"{Path(bin_path('python')).parent}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": ""}
     result = run_command(["bash", str(REPO_ROOT / "scripts" / "launch_multinode.sh"), "accelerate_configs/fsdp2_cpu.yaml",
@@ -58,6 +59,7 @@ def test_a_bad_override_through_the_launcher_is_one_line_before_torchrun():
     _refused_before_any_process(result, "sequence_parallel_size=3 must divide the world size 4; use one of [1, 2, 4]")
 
 
+@pytest.mark.slow
 def test_a_bad_override_through_make_demo_is_one_line_and_the_last_demo_is_kept(tmp_path):
     last_demo = tmp_path / "demo"
     last_demo.mkdir()

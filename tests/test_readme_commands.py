@@ -57,6 +57,7 @@ def _run(words: list[str], renamed: dict[str, str]):
     return run_command(words, env=fresh_shell_env(), timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", USER_COMMANDS)
 def test_every_command_of_the_user_sections_runs_as_printed(command, tmp_path):
     assert (REPO_ROOT / ".venv" / "bin" / "python").exists(), "the README's commands run .venv/bin/python: make setup"

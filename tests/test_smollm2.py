@@ -34,6 +34,7 @@ def smollm2():
     return checkpoint, AutoModelForCausalLM.from_pretrained(checkpoint).eval(), AutoTokenizer.from_pretrained(checkpoint)
 
 
+@pytest.mark.slow
 def test_prepared_checkpoint_is_a_plain_llama_with_its_chat_rows(smollm2):
     checkpoint, model, tokenizer = smollm2
     config = json.loads((checkpoint / "config.json").read_text())
@@ -44,6 +45,7 @@ def test_prepared_checkpoint_is_a_plain_llama_with_its_chat_rows(smollm2):
     assert len(rows) == 300 and [m["role"] for m in json.loads(rows[0])["messages"]] == ["user", "assistant"]
 
 
+@pytest.mark.slow
 def test_real_model_answers_in_text_in_samples_and_chat(smollm2, capsys):
     checkpoint, model, tokenizer = smollm2
     question = "What is the capital of France?"
@@ -55,6 +57,7 @@ def test_real_model_answers_in_text_in_samples_and_chat(smollm2, capsys):
     assert "Paris" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_real_model_is_scored_on_the_shipped_tasks_through_its_chat_template(smollm2):
     from sft_recipes.scores.harness import EvalSettings, score_model
     from sft_recipes.scores.tasks import parse_tasks

@@ -297,6 +297,7 @@ def test_two_process_packed_run_on_tool_rows(tmp_path):
     assert (source["rows"], source["dropped"], source["eval_rows"]) == (100, {}, 3)  # test_split_size 0.05, by hash
 
 
+@pytest.mark.slow
 def test_a_model_whose_template_renders_no_tools_is_refused_with_one_error_line(tmp_path):
     import shutil
 

@@ -188,6 +188,7 @@ def test_output_dir_off_volumes_is_a_warning_not_an_error(tmp_path):
     assert problems[0].message.startswith("output_dir 'outputs/llama' is not on a /Volumes/ path")
 
 
+@pytest.mark.slow
 def test_every_problem_at_once_one_line_each_exit_2(tmp_path):
     def two_wrongs(workload):
         workload["compute"]["accelerator_type"] = "H100"
@@ -203,6 +204,7 @@ def test_every_problem_at_once_one_line_each_exit_2(tmp_path):
     assert "ok: workloads/qwen27b.yaml" in result.stdout
 
 
+@pytest.mark.slow
 def test_dry_run_with_workload_checks_it_and_plans_its_parameters(tmp_path):
     command = [bin_path("python"), "scripts/sft.py", "recipes/qwen27b.yaml", "--dry-run", "--model_name_or_path",
                str(MODEL_CONFIGS["qwen27b.yaml"])]
