@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from conftest import REALWORLD, REPO_ROOT, TINY_LLAMA_RECIPE, bin_path, launch_sft, read_summary, run_command
+from conftest import REALWORLD, REPO_ROOT, TINY_LLAMA_RECIPE, bin_path, free_port, launch_sft, read_summary, run_command
 from fault_helpers import rank_exit_codes
+from sft_recipes.errors import one_line_refusals
 from sft_recipes.loading import resolve_model_path
 from sft_recipes.preflight_launch import recipe_refusal
 from sft_recipes.scores.compare import Comparison, markdown_table, regression_refusal
@@ -219,14 +220,19 @@ def test_demo_real_scores_base_and_tuned_and_shows_them():
                                             "cat outputs/demo-real/samples.md"]  # show_run prints base -> tuned
 
 
+def _evaluate_script():
+    spec = importlib.util.spec_from_file_location("evaluate_script", REPO_ROOT / "scripts" / "evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    return evaluate
+
+
 def test_evaluate_py_loads_an_adapter_merged_onto_its_base(tmp_path):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = importlib.util.spec_from_file_location("evaluate_script", REPO_ROOT / "scripts" / "evaluate.py")
-    evaluate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(evaluate)
+    evaluate = _evaluate_script()
     base_path = resolve_model_path("tiny:llama")
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path),
                                 LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
@@ -237,3 +243,60 @@ def test_evaluate_py_loads_an_adapter_merged_onto_its_base(tmp_path):
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():  # the merged weights compute what base + adapter compute (init_lora_weights=False: not 0)
         torch.testing.assert_close(merged(ids).logits, peft_model.eval()(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_evaluate_py_refuses_a_backend_it_does_not_offer_and_vllm_when_it_is_not_installed(capsys, monkeypatch):
+    evaluate = _evaluate_script()
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    refusals = {
+        "tgi": "error: --backend 'tgi' is not offered: use --backend hf (transformers, the default) or --backend vllm "
+               "(lm-eval's vLLM model; pip install vllm)",
+        "vllm": "error: --backend vllm needs vLLM, which is not installed: `.venv/bin/pip install vllm` (on a machine "
+                "with GPUs), or score with --backend hf (transformers, the default)",
+    }
+    for backend, line in refusals.items():  # a model that does not exist: refused before anything loads it
+        code = one_line_refusals(lambda: evaluate.main(["no/such-model", "--tasks", "alpaca_answers", "--backend",
+                                                        backend]))
+        assert (code, capsys.readouterr().err.strip().splitlines()) == (2, [line])
+
+
+@pytest.mark.fsdp
+def test_evaluate_py_on_two_processes_scores_what_one_process_scores(tmp_path):
+    """lm-eval's data-parallel mode on gloo: each process scores half the requests, rank 0 gathers the same score and
+    stderr one process computes; rank 0 alone reads and writes the cache, and every rank takes its hits."""
+    base = resolve_model_path("tiny:llama")
+    scoring = ["scripts/evaluate.py", base, "--tasks", "alpaca_answers", "--limit", "7", "--batch_size", "2",
+               "--max_gen_toks", "4"]
+
+    def launch(*args: str):
+        return run_command([bin_path("accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+                            "--main_process_port", str(free_port()), *scoring, *args])
+
+    one = run_command([bin_path("python"), *scoring, "--output", str(tmp_path / "one.json"), "--cache_dir",
+                       str(tmp_path / "one-cache")])
+    two = launch("--output", str(tmp_path / "two.json"), "--cache_dir", str(tmp_path / "two-cache"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    alone, shared = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "two"))
+    assert (alone["processes"], shared["processes"]) == (1, 2)
+    assert shared["tasks"] == alone["tasks"]  # value, stderr and the 7 examples, exactly
+    assert alone["tasks"]["alpaca_answers"]["samples"] == 7
+    assert one.stdout.splitlines()[0] == "scored on 1 process (cpu)"
+    assert two.stdout.splitlines()[0] == "scored on 2 processes (lm-eval's data-parallel mode, cpu, gloo)"
+    assert two.stdout.count("scores: ") == 1  # rank 0 prints and writes
+    assert len(list((tmp_path / "two-cache").glob("*.json"))) == 1
+
+    # the 1-process run's cache, read on rank 0: both ranks take the hit (neither waits in a gather for the other)
+    cached = launch("--output", str(tmp_path / "cached.json"), "--cache_dir", str(tmp_path / "one-cache"))
+    assert cached.returncode == 0, cached.stderr[-3000:]
+    assert json.loads((tmp_path / "cached.json").read_text())["tasks"] == alone["tasks"]
+    assert cached.stderr.count("alpaca_answers: ") == 1 and "from the cache" in cached.stderr
+
+    # a setting lm-eval's data-parallel mode cannot take: one line, exit 2 on every rank, before the model loads
+    refused = launch("--backend", "vllm")
+    assert rank_exit_codes(refused.stderr) == {0: 2, 1: 2}, refused.stderr[-3000:]
+    assert [line for line in refused.stderr.splitlines() if line.startswith("error:")] == [
+        "error: scripts/evaluate.py runs under a launch of 2 processes, but --backend vllm runs in one process (vLLM "
+        "starts its own workers): run `.venv/bin/python scripts/evaluate.py ... --backend vllm`, or launch with "
+        "--backend hf"]
