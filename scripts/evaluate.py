@@ -128,7 +128,11 @@ def vllm_model(args: argparse.Namespace, settings, folders: contextlib.ExitStack
     from sft_recipes.scores import import_lm_eval
 
     path = args.model
-    if Path(path).is_dir() and export_kind(path) == "adapter":  # vLLM loads whole models: merge, save, score that
+    try:
+        adapter = Path(path).is_dir() and export_kind(path) == "adapter"
+    except ValueError as err:  # a folder without a model
+        raise RecipeError(str(err)) from None
+    if adapter:  # vLLM loads whole models: merge, save, score that
         model, tokenizer = load_model(path, args.revision)
         path = folders.enter_context(tempfile.TemporaryDirectory(prefix="evaluate-merged-"))
         model.save_pretrained(path)

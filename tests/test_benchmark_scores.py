@@ -7,6 +7,7 @@ import importlib.util
 import json
 import re
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -111,6 +112,11 @@ def test_the_gate_and_its_refusal_line():
         "and run_summary.json, and was not pushed: change the data or the training, or raise eval_max_regression if "
         "the drop is acceptable")
     assert regression_refusal(rows[1:], "out") is None
+    # a negative allowance demands a gain: no change at all fails it
+    demanding = [Comparison("gsm8k_local", "exact_match,strict-match", 0.25, 0.25, 0.1, 0.1, 8, -0.05)]
+    assert regression_refusal(demanding, "out").startswith(
+        "the fine-tuned model regressed: gsm8k_local exact_match,strict-match went from 0.2500 (base) to 0.2500 "
+        "(tuned), a change of +0.0000 where eval_max_regression -0.0500 demands a gain of at least 0.0500. The export")
     assert markdown_table(rows).splitlines()[2] == (
         "| alpaca_answers | acc,none | 0.5000 | 0.3750 | -0.1250 | ±0.1000 / ±0.1250 | 8 | **regressed** |")
 
@@ -227,7 +233,9 @@ def _evaluate_script():
     return evaluate
 
 
-def test_evaluate_py_loads_an_adapter_merged_onto_its_base(tmp_path):
+def test_evaluate_py_loads_an_adapter_merged_onto_its_base(tmp_path, monkeypatch):
+    import contextlib
+
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -243,6 +251,24 @@ def test_evaluate_py_loads_an_adapter_merged_onto_its_base(tmp_path):
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():  # the merged weights compute what base + adapter compute (init_lora_weights=False: not 0)
         torch.testing.assert_close(merged(ids).logits, peft_model.eval()(ids).logits, atol=1e-5, rtol=1e-5)
+
+    # --backend vllm (vLLM is not installed here: lm-eval's VLLM is replaced by what records its arguments): vLLM is
+    # given a folder holding the merged model, which computes what base + adapter compute
+    given = {}
+
+    def recording_vllm(pretrained, **kwargs):
+        given.update(kwargs, files=sorted(p.name for p in Path(pretrained).iterdir()))
+        with torch.no_grad():
+            given["logits"] = AutoModelForCausalLM.from_pretrained(pretrained)(ids).logits
+
+    monkeypatch.setitem(sys.modules, "lm_eval.models.vllm_causallms", SimpleNamespace(VLLM=recording_vllm))
+    args = SimpleNamespace(model=str(tmp_path / "adapter"), revision=None)
+    with contextlib.ExitStack() as folders:
+        evaluate.vllm_model(args, SimpleNamespace(seed=3), folders)
+    assert {key: value for key, value in given.items() if key not in ("files", "logits")} == {
+        "revision": None, "seed": 3, "batch_size": "auto"}
+    assert "model.safetensors" in given["files"] and "adapter_config.json" not in given["files"]
+    torch.testing.assert_close(given["logits"], merged(ids).logits.detach(), atol=1e-5, rtol=1e-5)
 
 
 def test_evaluate_py_refuses_a_backend_it_does_not_offer_and_vllm_when_it_is_not_installed(capsys, monkeypatch):
