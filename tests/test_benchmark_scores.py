@@ -22,6 +22,9 @@ from sft_recipes.scores.compare import Comparison, markdown_table, regression_re
 from sft_recipes.scores.tasks import SHIPPED_TASKS_DIR, parse_tasks
 
 FAKE_TOKEN = "hf_benchmark_gate_test_token"
+# Training that makes the tiny twin regress on alpaca_answers (its first 6 rows, each with its wrong answer):
+# measured in docs/evaluation.md
+WRONG_ROWS, REGRESSION_STEPS, REGRESSION_LEARNING_RATE = 6, 30, 1e-2
 
 
 def _make_task_data():
@@ -141,14 +144,21 @@ def test_an_export_that_cannot_be_scored_is_one_refusal_and_stays(tmp_path):
 @pytest.mark.fsdp
 def test_run_scores_base_and_tuned_refuses_a_regression_and_evaluate_py_agrees(tmp_path):
     out, cache = tmp_path / "out", tmp_path / "cache"
-    # Gate: the tuned model must GAIN more than 1.0 (eval_max_regression -1.0), which no accuracy can: the run is
-    # made to fail its gate on purpose; with push_to_hub set, a push would be tried (and fail) if the gate let it.
+    # A model made to regress: trained on alpaca_answers' first 6 instructions, each paired with its WRONG choice (the
+    # next row's answer), until it prefers the wrong answers; the gate allows a drop of 0.1. With push_to_hub set, a
+    # push would be tried (and fail) if the gate let the run through.
+    task_rows = [json.loads(line) for line in (SHIPPED_TASKS_DIR / "data" / "alpaca_answers.jsonl").read_text().splitlines()]
+    wrong = tmp_path / "wrong_answers.jsonl"
+    wrong.write_text("".join(json.dumps({"instruction": row["instruction"], "input": "",
+                                         "output": row["choices"][1 - row["label"]]}) + "\n"
+                             for row in task_rows[:WRONG_ROWS]) * 3)  # 18 rows: more than one global batch of 16
     store = tmp_path / "mlflow.db"
-    result = launch_sft(TINY_LLAMA_RECIPE, "--max_steps", "2", "--output_dir", str(out),
+    result = launch_sft(TINY_LLAMA_RECIPE, "--max_steps", str(REGRESSION_STEPS), "--learning_rate",
+                        str(REGRESSION_LEARNING_RATE), "--dataset_name", str(wrong), "--output_dir", str(out),
                         "--save_strategy", "'no'", "--sample_prompts", "[]",
                         "--eval_tasks", "[{task: alpaca_answers, limit: 6}, {task: gsm8k_local, limit: 2}]",
                         "--eval_max_gen_toks", "4", "--per_device_eval_batch_size", "4",
-                        "--eval_cache_dir", str(cache), "--eval_max_regression", "{alpaca_answers: -1.0}",
+                        "--eval_cache_dir", str(cache), "--eval_max_regression", "{alpaca_answers: 0.1}",
                         "--push_to_hub", "true", "--hub_model_id", "me/tiny-benchmarks",
                         env={"HF_TOKEN": FAKE_TOKEN, "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}, check=False)
     assert rank_exit_codes(result.stderr) == {0: 2, 1: 2}, result.stderr[-3000:]  # every rank refused
@@ -156,14 +166,15 @@ def test_run_scores_base_and_tuned_refuses_a_regression_and_evaluate_py_agrees(t
     summary = read_summary(out)
     rows = summary["benchmarks"]["tasks"]
     alpaca, gsm8k = rows
-    assert errors == [f"error: the fine-tuned model regressed: alpaca_answers acc,none went from {alpaca['base']:.4f} "
-                      f"(base) to {alpaca['tuned']:.4f} (tuned), a change of {alpaca['change']:+.4f} where "
-                      f"eval_max_regression -1.0000 demands a gain of at least 1.0000. The export stays in {out}, marked "
-                      "regressed in its README.md and run_summary.json, and was not pushed: change the data or the "
-                      "training, or raise eval_max_regression if the drop is acceptable"]
+    assert alpaca["tuned"] < alpaca["base"] - 0.1  # a real regression, beyond the allowance
+    assert errors == [f"error: the fine-tuned model regressed: alpaca_answers acc,none fell from {alpaca['base']:.4f} "
+                      f"(base) to {alpaca['tuned']:.4f} (tuned), a drop of {alpaca['base'] - alpaca['tuned']:.4f} where "
+                      f"eval_max_regression allows 0.1000. The export stays in {out}, marked regressed in its README.md "
+                      "and run_summary.json, and was not pushed: change the data or the training, or raise "
+                      "eval_max_regression if the drop is acceptable"]
     assert "pushed" not in result.stdout and (out / "model.safetensors").is_file()  # the export stays
     assert [(r["task"], r["metric"], r["samples"], r["max_regression"], r["regressed"]) for r in rows] == [
-        ("alpaca_answers", "acc,none", 6, -1.0, True), ("gsm8k_local", "exact_match,strict-match", 2, None, False)]
+        ("alpaca_answers", "acc,none", 6, 0.1, True), ("gsm8k_local", "exact_match,strict-match", 2, None, False)]
     assert summary["benchmarks"]["regressed"] is True and summary["benchmarks"]["error"] is None
     assert summary["benchmarks"]["settings"] == {
         "limit": None, "num_fewshot": None, "max_gen_toks": 4, "apply_chat_template": False,
