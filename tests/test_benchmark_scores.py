@@ -24,7 +24,7 @@ from sft_recipes.scores.tasks import SHIPPED_TASKS_DIR, parse_tasks
 FAKE_TOKEN = "hf_benchmark_gate_test_token"
 # Training that makes the tiny twin regress on alpaca_answers (its first 6 rows, each with its wrong answer):
 # measured in docs/evaluation.md
-WRONG_ROWS, REGRESSION_STEPS, REGRESSION_LEARNING_RATE = 6, 30, 1e-2
+WRONG_ROWS, REGRESSION_STEPS, REGRESSION_LEARNING_RATE = 6, 60, 0.01
 
 
 def _make_task_data():
