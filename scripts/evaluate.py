@@ -3,20 +3,31 @@
 
     .venv/bin/python scripts/evaluate.py outputs/demo --tasks alpaca_answers gsm8k_local --limit 20
     make eval OUT=outputs/demo TASKS="alpaca_answers gsm8k_local" ARGS="--limit 20"
+    .venv/bin/accelerate launch --num_processes 8 scripts/evaluate.py outputs/run --tasks gsm8k_local   # 8 GPUs
+    .venv/bin/python scripts/evaluate.py outputs/run --tasks gsm8k_local --backend vllm                # pip install vllm
 
 MODEL is a run's output_dir (its export: a consolidated checkpoint, or a LoRA adapter merged onto its base on
 the fly), any local model folder, or a Hugging Face Hub model id (--revision). A task is one shipped in
 evals/tasks/ (alpaca_answers, gsm8k_local), a local lm-eval task YAML, or an lm-eval registry task (its data
 comes from the Hub). Prints a table and writes the scores as JSON (--output; default MODEL/benchmark_results.json
 for a folder). The same code scores a recipe's eval_tasks after training, so the numbers are the run's.
+
+Under `accelerate launch --num_processes N` (on CPU add --multi_gpu, which makes accelerate start N processes:
+they run on gloo) every process holds the whole model and scores its share of each task's requests in
+lm-eval's data-parallel mode; rank 0 prints and writes the scores. `--backend vllm` scores with lm-eval's vLLM
+model instead (one process; vLLM runs its own workers).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import logging
 import sys
+import tempfile
+from datetime import timedelta
 from pathlib import Path
 
 from sft_recipes.environment import set_runtime_defaults
@@ -26,6 +37,8 @@ set_runtime_defaults()
 from sft_recipes.errors import RecipeError, one_line_refusals
 
 RESULTS_FILE = "benchmark_results.json"
+BACKENDS = {"hf": "transformers, in this process or in every process of the launch",
+            "vllm": "lm-eval's vLLM model, one process (pip install vllm)"}
 
 
 def parse_command_line(argv: list[str]) -> argparse.Namespace:
@@ -39,7 +52,10 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--apply_chat_template", action="store_true", help="prompt through the chat template")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="lm-eval's seeds (few-shot choice); the recipes' seed")
-    parser.add_argument("--device", help="where the model runs (default: cuda when there is a GPU, else cpu)")
+    parser.add_argument("--device", help="where the model runs (default: cuda when there is a GPU, else cpu; "
+                        "under a launch each process's own device); the hf backend's")
+    parser.add_argument("--backend", default="hf", help="lm-eval's model: " + "; ".join(
+        f"{name}: {what}" for name, what in BACKENDS.items()) + " (default: hf)")
     parser.add_argument("--revision", help="a Hub model's revision")
     parser.add_argument("--cache_dir", help="reuse and keep scores here (a recipe's eval_cache_dir); default: none")
     parser.add_argument("--output", help=f"results JSON (default: MODEL/{RESULTS_FILE} for a folder, else ./"
@@ -70,11 +86,78 @@ def load_model(name_or_path: str, revision: str | None):
     return model.eval(), tokenizer
 
 
+def launch_refusal(args: argparse.Namespace) -> str | None:
+    """Why this launch cannot score in lm-eval's data-parallel mode (None: it can, or it is one process)."""
+    from sft_recipes.distributed import launch_flag, launched_world_size
+
+    world_size = launched_world_size()
+    if world_size <= 1:
+        return None
+    launched = f"scripts/evaluate.py runs under a launch of {world_size} processes"
+    if args.backend == "vllm":
+        return (f"{launched}, but --backend vllm runs in one process (vLLM starts its own workers): run "
+                "`.venv/bin/python scripts/evaluate.py ... --backend vllm`, or launch with --backend hf")
+    if launch_flag("ACCELERATE_USE_FSDP") or launch_flag("ACCELERATE_USE_DEEPSPEED"):
+        return (f"{launched} with an FSDP or DeepSpeed config, but lm-eval's data-parallel mode does not shard the "
+                "model (every process holds a whole copy): launch without --config_file, e.g. `.venv/bin/accelerate "
+                "launch --num_processes N scripts/evaluate.py ...` (on CPU add --multi_gpu)")
+    if args.device:
+        return (f"{launched}, where each process scores on its own device: drop --device (launch "
+                "`--num_processes N` for N GPUs)")
+    return None
+
+
+def data_parallel_accelerator():
+    """The launch's Accelerator (gloo on CPU, NCCL on GPUs), as lm-eval's own launch builds it; None for one
+    process."""
+    from sft_recipes.distributed import launched_world_size
+
+    if launched_world_size() <= 1:
+        return None
+    import torch
+    from accelerate import Accelerator, InitProcessGroupKwargs
+
+    # lm-eval's timeout: a rank waits for the others' share of a long task; a failed rank ends the launch anyway
+    return Accelerator(cpu=not torch.cuda.is_available(),
+                       kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(weeks=52))])
+
+
+def vllm_model(args: argparse.Namespace, settings, folders: contextlib.ExitStack):
+    """lm-eval's vLLM model on MODEL: a folder or Hub id as it is, an adapter merged into a temporary folder."""
+    from sft_recipes.reporting.load_export import export_kind
+    from sft_recipes.scores import import_lm_eval
+
+    path = args.model
+    try:
+        adapter = Path(path).is_dir() and export_kind(path) == "adapter"
+    except ValueError as err:  # a folder without a model
+        raise RecipeError(str(err)) from None
+    if adapter:  # vLLM loads whole models: merge, save, score that
+        model, tokenizer = load_model(path, args.revision)
+        path = folders.enter_context(tempfile.TemporaryDirectory(prefix="evaluate-merged-"))
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        del model
+    import_lm_eval()
+    from lm_eval.models.vllm_causallms import VLLM
+
+    return VLLM(pretrained=path, revision=None if Path(path).is_dir() else args.revision, seed=settings.seed,
+                batch_size="auto")  # vLLM schedules its own batches
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     args = parse_command_line(sys.argv[1:] if argv is None else argv)
+    if args.backend not in BACKENDS:
+        raise RecipeError(f"--backend {args.backend!r} is not offered: use --backend hf (transformers, the default) "
+                          "or --backend vllm (lm-eval's vLLM model; pip install vllm)")
+    if (problem := launch_refusal(args)) is not None:
+        raise RecipeError(problem)
+    if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise RecipeError("--backend vllm needs vLLM, which is not installed: `.venv/bin/pip install vllm` (on a "
+                          "machine with GPUs), or score with --backend hf (transformers, the default)")
     from sft_recipes.scores.compare import console_table
-    from sft_recipes.scores.harness import EvalSettings, model_key, score_model
+    from sft_recipes.scores.harness import EvalSettings, model_key, score_lm, score_model
     from sft_recipes.scores.tasks import parse_tasks
 
     entries = [name for arg in args.tasks for name in arg.split(",") if name]
@@ -83,22 +166,46 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         raise RecipeError(str(err)) from None
     settings = EvalSettings(batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
-                            apply_chat_template=args.apply_chat_template, seed=args.seed)
-    model, tokenizer = load_model(args.model, args.revision)
-    if args.device is None:
-        import torch
+                            apply_chat_template=args.apply_chat_template, seed=args.seed, backend=args.backend)
+    key = model_key(args.model, args.revision)
+    accelerator = data_parallel_accelerator()
+    processes = 1 if accelerator is None else accelerator.num_processes
+    with contextlib.ExitStack() as folders:
+        if args.backend == "vllm":
+            scores = score_lm(lambda: vllm_model(args, settings, folders), tasks, settings, args.cache_dir, key)
+            where = "1 process (vLLM)"
+        else:
+            model, tokenizer = load_model(args.model, args.revision)
+            if accelerator is not None:
+                args.device = str(accelerator.device)
+            elif args.device is None:
+                import torch
 
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = model.to(args.device)
-    scores = score_model(model, tokenizer, tasks, settings, args.cache_dir, model_key(args.model, args.revision))
+                args.device = "cuda" if torch.cuda.is_available() else "cpu"
+            model = model.to(args.device)
+            scores = score_model(model, tokenizer, tasks, settings, args.cache_dir, key, accelerator)
+            where = (f"1 process ({args.device})" if accelerator is None else
+                     f"{processes} processes (lm-eval's data-parallel mode, {accelerator.device.type}, "
+                     f"{accelerator.state.backend})")
+    if accelerator is not None and not accelerator.is_main_process:
+        return 0
+    print(f"scored on {where}")
     print(console_table(scores))
     output = Path(args.output) if args.output else (
         Path(args.model) / RESULTS_FILE if Path(args.model).is_dir() else Path(RESULTS_FILE))
-    output.write_text(json.dumps({"model": args.model, "revision": args.revision, "settings": vars(args),
+    output.write_text(json.dumps({"model": args.model, "revision": args.revision, "processes": processes,
+                                  "settings": vars(args),
                                   "tasks": {name: score.as_dict() for name, score in scores.items()}}, indent=2))
     print(f"scores: {output}")
     return 0
 
 
+def main_then_tear_down() -> int:
+    from sft_recipes.distributed import process_group_destroyed_on_exit
+
+    with process_group_destroyed_on_exit():  # a launch's gloo/NCCL group, stopped before the interpreter's exit
+        return main()
+
+
 if __name__ == "__main__":
-    sys.exit(one_line_refusals(main))
+    sys.exit(one_line_refusals(main_then_tear_down))  # the `error:` line, if any, is the last thing written

@@ -61,8 +61,9 @@ def warm_launcher() -> WarmLauncher:
 
 
 def _warm_run(cmd: list[str], env: dict[str, str], timeout: int) -> subprocess.CompletedProcess | None:
-    """`python SCRIPT.py ...` or `accelerate launch --config_file C --num_processes N --main_process_port P SCRIPT.py
-    ...` through the warm launcher; None for any other command, or an environment it cannot serve."""
+    """`python SCRIPT.py ...` or `accelerate launch --config_file C (or --multi_gpu) --num_processes N
+    --main_process_port P SCRIPT.py ...` through the warm launcher; None for any other command, or an environment it
+    cannot serve."""
     launcher = warm_launcher()
     if os.environ.get("SFT_TESTS_LAUNCHER") == "real" or not launcher.serves(env):
         return None
@@ -70,11 +71,16 @@ def _warm_run(cmd: list[str], env: dict[str, str], timeout: int) -> subprocess.C
         return launcher.run(cmd[1], cmd[2:], env, timeout)
     if cmd[:2] == [bin_path("accelerate"), "launch"]:
         flags, rest = {}, cmd[2:]
-        while rest and rest[0] in ("--config_file", "--num_processes", "--main_process_port"):
-            flags[rest[0]], rest = rest[1], rest[2:]
-        if set(flags) == {"--config_file", "--num_processes", "--main_process_port"} and rest[0].endswith(".py"):
-            return launcher.run(rest[0], rest[1:], env, timeout, config=flags["--config_file"],
-                                nproc=int(flags["--num_processes"]), port=int(flags["--main_process_port"]))
+        while rest and rest[0] in ("--config_file", "--num_processes", "--main_process_port", "--multi_gpu"):
+            if rest[0] == "--multi_gpu":  # N processes without a config (on CPU: gloo)
+                flags[rest[0]], rest = True, rest[1:]
+            else:
+                flags[rest[0]], rest = rest[1], rest[2:]
+        if set(flags) - {"--config_file", "--multi_gpu"} == {"--num_processes", "--main_process_port"} and len(
+                set(flags) & {"--config_file", "--multi_gpu"}) == 1 and rest[0].endswith(".py"):
+            return launcher.run(rest[0], rest[1:], env, timeout, config=flags.get("--config_file"),
+                                nproc=int(flags["--num_processes"]), port=int(flags["--main_process_port"]),
+                                multi_gpu="--multi_gpu" in flags)
     return None
 
 

@@ -7,19 +7,24 @@ import importlib.util
 import json
 import re
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
 
-from conftest import REALWORLD, REPO_ROOT, TINY_LLAMA_RECIPE, bin_path, launch_sft, read_summary, run_command
+from conftest import REALWORLD, REPO_ROOT, TINY_LLAMA_RECIPE, bin_path, free_port, launch_sft, read_summary, run_command
 from fault_helpers import rank_exit_codes
+from sft_recipes.errors import one_line_refusals
 from sft_recipes.loading import resolve_model_path
 from sft_recipes.preflight_launch import recipe_refusal
 from sft_recipes.scores.compare import Comparison, markdown_table, regression_refusal
 from sft_recipes.scores.tasks import SHIPPED_TASKS_DIR, parse_tasks
 
 FAKE_TOKEN = "hf_benchmark_gate_test_token"
+# Training that makes the tiny twin regress on alpaca_answers (its first 6 rows, each with its wrong answer):
+# measured in docs/evaluation.md
+WRONG_ROWS, REGRESSION_STEPS, REGRESSION_LEARNING_RATE = 6, 60, 0.01
 
 
 def _make_task_data():
@@ -111,6 +116,11 @@ def test_the_gate_and_its_refusal_line():
         "and run_summary.json, and was not pushed: change the data or the training, or raise eval_max_regression if "
         "the drop is acceptable")
     assert regression_refusal(rows[1:], "out") is None
+    # a negative allowance demands a gain: no change at all fails it
+    demanding = [Comparison("gsm8k_local", "exact_match,strict-match", 0.25, 0.25, 0.1, 0.1, 8, -0.05)]
+    assert regression_refusal(demanding, "out").startswith(
+        "the fine-tuned model regressed: gsm8k_local exact_match,strict-match went from 0.2500 (base) to 0.2500 "
+        "(tuned), a change of +0.0000 where eval_max_regression -0.0500 demands a gain of at least 0.0500. The export")
     assert markdown_table(rows).splitlines()[2] == (
         "| alpaca_answers | acc,none | 0.5000 | 0.3750 | -0.1250 | ±0.1000 / ±0.1250 | 8 | **regressed** |")
 
@@ -135,14 +145,21 @@ def test_an_export_that_cannot_be_scored_is_one_refusal_and_stays(tmp_path):
 @pytest.mark.fsdp
 def test_run_scores_base_and_tuned_refuses_a_regression_and_evaluate_py_agrees(tmp_path):
     out, cache = tmp_path / "out", tmp_path / "cache"
-    # Gate: the tuned model must GAIN more than 1.0 (eval_max_regression -1.0), which no accuracy can: the run is
-    # made to fail its gate on purpose; with push_to_hub set, a push would be tried (and fail) if the gate let it.
+    # A model made to regress: trained on alpaca_answers' first 6 instructions, each paired with its WRONG choice (the
+    # next row's answer), until it prefers the wrong answers; the gate allows a drop of 0.1. With push_to_hub set, a
+    # push would be tried (and fail) if the gate let the run through.
+    task_rows = [json.loads(line) for line in (SHIPPED_TASKS_DIR / "data" / "alpaca_answers.jsonl").read_text().splitlines()]
+    wrong = tmp_path / "wrong_answers.jsonl"
+    wrong.write_text("".join(json.dumps({"instruction": row["instruction"], "input": "",
+                                         "output": row["choices"][1 - row["label"]]}) + "\n"
+                             for row in task_rows[:WRONG_ROWS]) * 3)  # 18 rows: more than one global batch of 16
     store = tmp_path / "mlflow.db"
-    result = launch_sft(TINY_LLAMA_RECIPE, "--max_steps", "2", "--output_dir", str(out),
+    result = launch_sft(TINY_LLAMA_RECIPE, "--max_steps", str(REGRESSION_STEPS), "--learning_rate",
+                        str(REGRESSION_LEARNING_RATE), "--dataset_name", str(wrong), "--output_dir", str(out),
                         "--save_strategy", "'no'", "--sample_prompts", "[]",
                         "--eval_tasks", "[{task: alpaca_answers, limit: 6}, {task: gsm8k_local, limit: 2}]",
                         "--eval_max_gen_toks", "4", "--per_device_eval_batch_size", "4",
-                        "--eval_cache_dir", str(cache), "--eval_max_regression", "{alpaca_answers: -1.0}",
+                        "--eval_cache_dir", str(cache), "--eval_max_regression", "{alpaca_answers: 0.1}",
                         "--push_to_hub", "true", "--hub_model_id", "me/tiny-benchmarks",
                         env={"HF_TOKEN": FAKE_TOKEN, "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}, check=False)
     assert rank_exit_codes(result.stderr) == {0: 2, 1: 2}, result.stderr[-3000:]  # every rank refused
@@ -150,14 +167,15 @@ def test_run_scores_base_and_tuned_refuses_a_regression_and_evaluate_py_agrees(t
     summary = read_summary(out)
     rows = summary["benchmarks"]["tasks"]
     alpaca, gsm8k = rows
-    assert errors == [f"error: the fine-tuned model regressed: alpaca_answers acc,none went from {alpaca['base']:.4f} "
-                      f"(base) to {alpaca['tuned']:.4f} (tuned), a change of {alpaca['change']:+.4f} where "
-                      f"eval_max_regression -1.0000 demands a gain of at least 1.0000. The export stays in {out}, marked "
-                      "regressed in its README.md and run_summary.json, and was not pushed: change the data or the "
-                      "training, or raise eval_max_regression if the drop is acceptable"]
+    assert alpaca["tuned"] < alpaca["base"] - 0.1  # a real regression, beyond the allowance
+    assert errors == [f"error: the fine-tuned model regressed: alpaca_answers acc,none fell from {alpaca['base']:.4f} "
+                      f"(base) to {alpaca['tuned']:.4f} (tuned), a drop of {alpaca['base'] - alpaca['tuned']:.4f} where "
+                      f"eval_max_regression allows 0.1000. The export stays in {out}, marked regressed in its README.md "
+                      "and run_summary.json, and was not pushed: change the data or the training, or raise "
+                      "eval_max_regression if the drop is acceptable"]
     assert "pushed" not in result.stdout and (out / "model.safetensors").is_file()  # the export stays
     assert [(r["task"], r["metric"], r["samples"], r["max_regression"], r["regressed"]) for r in rows] == [
-        ("alpaca_answers", "acc,none", 6, -1.0, True), ("gsm8k_local", "exact_match,strict-match", 2, None, False)]
+        ("alpaca_answers", "acc,none", 6, 0.1, True), ("gsm8k_local", "exact_match,strict-match", 2, None, False)]
     assert summary["benchmarks"]["regressed"] is True and summary["benchmarks"]["error"] is None
     assert summary["benchmarks"]["settings"] == {
         "limit": None, "num_fewshot": None, "max_gen_toks": 4, "apply_chat_template": False,
@@ -220,14 +238,21 @@ def test_demo_real_scores_base_and_tuned_and_shows_them():
                                             "cat outputs/demo-real/samples.md"]  # show_run prints base -> tuned
 
 
-def test_evaluate_py_loads_an_adapter_merged_onto_its_base(tmp_path):
+def _evaluate_script():
+    spec = importlib.util.spec_from_file_location("evaluate_script", REPO_ROOT / "scripts" / "evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    return evaluate
+
+
+def test_evaluate_py_loads_an_adapter_merged_onto_its_base(tmp_path, monkeypatch):
+    import contextlib
+
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = importlib.util.spec_from_file_location("evaluate_script", REPO_ROOT / "scripts" / "evaluate.py")
-    evaluate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(evaluate)
+    evaluate = _evaluate_script()
     base_path = resolve_model_path("tiny:llama")
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path),
                                 LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
@@ -238,3 +263,78 @@ def test_evaluate_py_loads_an_adapter_merged_onto_its_base(tmp_path):
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():  # the merged weights compute what base + adapter compute (init_lora_weights=False: not 0)
         torch.testing.assert_close(merged(ids).logits, peft_model.eval()(ids).logits, atol=1e-5, rtol=1e-5)
+
+    # --backend vllm (vLLM is not installed here: lm-eval's VLLM is replaced by what records its arguments): vLLM is
+    # given a folder holding the merged model, which computes what base + adapter compute
+    given = {}
+
+    def recording_vllm(pretrained, **kwargs):
+        given.update(kwargs, files=sorted(p.name for p in Path(pretrained).iterdir()))
+        with torch.no_grad():
+            given["logits"] = AutoModelForCausalLM.from_pretrained(pretrained)(ids).logits
+
+    monkeypatch.setitem(sys.modules, "lm_eval.models.vllm_causallms", SimpleNamespace(VLLM=recording_vllm))
+    args = SimpleNamespace(model=str(tmp_path / "adapter"), revision=None)
+    with contextlib.ExitStack() as folders:
+        evaluate.vllm_model(args, SimpleNamespace(seed=3), folders)
+    assert {key: value for key, value in given.items() if key not in ("files", "logits")} == {
+        "revision": None, "seed": 3, "batch_size": "auto"}
+    assert "model.safetensors" in given["files"] and "adapter_config.json" not in given["files"]
+    torch.testing.assert_close(given["logits"], merged(ids).logits.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_evaluate_py_refuses_a_backend_it_does_not_offer_and_vllm_when_it_is_not_installed(capsys, monkeypatch):
+    evaluate = _evaluate_script()
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    refusals = {
+        "tgi": "error: --backend 'tgi' is not offered: use --backend hf (transformers, the default) or --backend vllm "
+               "(lm-eval's vLLM model; pip install vllm)",
+        "vllm": "error: --backend vllm needs vLLM, which is not installed: `.venv/bin/pip install vllm` (on a machine "
+                "with GPUs), or score with --backend hf (transformers, the default)",
+    }
+    for backend, line in refusals.items():  # a model that does not exist: refused before anything loads it
+        code = one_line_refusals(lambda: evaluate.main(["no/such-model", "--tasks", "alpaca_answers", "--backend",
+                                                        backend]))
+        assert (code, capsys.readouterr().err.strip().splitlines()) == (2, [line])
+
+
+@pytest.mark.fsdp
+def test_evaluate_py_on_two_processes_scores_what_one_process_scores(tmp_path):
+    """lm-eval's data-parallel mode on gloo: each process scores half the requests, rank 0 gathers the same score and
+    stderr one process computes; rank 0 alone reads and writes the cache, and every rank takes its hits."""
+    base = resolve_model_path("tiny:llama")
+    scoring = ["scripts/evaluate.py", base, "--tasks", "alpaca_answers", "--limit", "7", "--batch_size", "2",
+               "--max_gen_toks", "4"]
+
+    def launch(*args: str):
+        return run_command([bin_path("accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+                            "--main_process_port", str(free_port()), *scoring, *args])
+
+    one = run_command([bin_path("python"), *scoring, "--output", str(tmp_path / "one.json"), "--cache_dir",
+                       str(tmp_path / "one-cache")])
+    two = launch("--output", str(tmp_path / "two.json"), "--cache_dir", str(tmp_path / "two-cache"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    alone, shared = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "two"))
+    assert (alone["processes"], shared["processes"]) == (1, 2)
+    assert shared["tasks"] == alone["tasks"]  # value, stderr and the 7 examples, exactly
+    assert alone["tasks"]["alpaca_answers"]["samples"] == 7
+    assert one.stdout.splitlines()[0] == "scored on 1 process (cpu)"
+    assert two.stdout.splitlines()[0] == "scored on 2 processes (lm-eval's data-parallel mode, cpu, gloo)"
+    assert two.stdout.count("scores: ") == 1  # rank 0 prints and writes
+    assert len(list((tmp_path / "two-cache").glob("*.json"))) == 1
+
+    # the 1-process run's cache, read on rank 0: both ranks take the hit (neither waits in a gather for the other)
+    cached = launch("--output", str(tmp_path / "cached.json"), "--cache_dir", str(tmp_path / "one-cache"))
+    assert cached.returncode == 0, cached.stderr[-3000:]
+    assert json.loads((tmp_path / "cached.json").read_text())["tasks"] == alone["tasks"]
+    assert cached.stderr.count("alpaca_answers: ") == 1 and "from the cache" in cached.stderr
+
+    # a setting lm-eval's data-parallel mode cannot take: one line, exit 2 on every rank, before the model loads
+    refused = launch("--backend", "vllm")
+    assert rank_exit_codes(refused.stderr) == {0: 2, 1: 2}, refused.stderr[-3000:]
+    assert [line for line in refused.stderr.splitlines() if line.startswith("error:")] == [
+        "error: scripts/evaluate.py runs under a launch of 2 processes, but --backend vllm runs in one process (vLLM "
+        "starts its own workers): run `.venv/bin/python scripts/evaluate.py ... --backend vllm`, or launch with "
+        "--backend hf"]

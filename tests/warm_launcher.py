@@ -7,7 +7,7 @@ hundred launches. This server imports all of that once and forks each run from i
     tests/warm_launcher.py SOCKET     serve: import, then one launch per connection, in order
 
 A launch request names the script, its arguments, the environment, the working directory and either an
-accelerate config + process count (a launch) or no config (one plain process). For a launch the server forks a
+accelerate config or --multi_gpu + process count (a launch) or neither (one plain process). For a launch the server forks a
 supervisor that plays torchrun's elastic agent, as `accelerate launch` would run it:
   - the environment comes from accelerate itself (`launch_command_parser`, `_validate_launch_command`,
     `prepare_multi_gpu_env`: the config's ACCELERATE_*/FSDP_*/PARALLELISM_CONFIG_* variables), plus what
@@ -116,7 +116,7 @@ def supervise(request: dict) -> int:
     os.chdir(request["cwd"])
     out = os.open(request["stdout"], os.O_WRONLY | os.O_APPEND)
     err = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND)
-    if request.get("config") is None:  # one plain process: `python SCRIPT ARGS`
+    if request.get("config") is None and not request.get("multi_gpu"):  # one plain process: `python SCRIPT ARGS`
         worker = fork_worker(request, {}, out, err)
         _, status = os.waitpid(worker, 0)
         return os.waitstatus_to_exitcode(status)
@@ -133,15 +133,17 @@ def supervise(request: dict) -> int:
 
 
 def launch_environment(request: dict) -> dict[str, str]:
-    """The environment `accelerate launch --config_file C --num_processes N --main_process_port P` gives torchrun."""
+    """The environment `accelerate launch --config_file C (or --multi_gpu) --num_processes N --main_process_port P`
+    gives torchrun."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
+    how = ["--config_file", request["config"]] if request.get("config") else ["--multi_gpu"]
     args = launch_command_parser().parse_args(
-        ["--config_file", request["config"], "--num_processes", str(request["nproc"]),
+        [*how, "--num_processes", str(request["nproc"]),
          "--main_process_port", str(request["port"]), request["script"], *request["args"]])
     args, _, _ = _validate_launch_command(args)
-    assert args.use_fsdp or args.multi_gpu, f"{request['config']}: the warm launcher plays torchrun only"
+    assert args.use_fsdp or args.multi_gpu, f"{how}: the warm launcher plays torchrun only"
     env = prepare_multi_gpu_env(args)
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env["MASTER_PORT"] = str(request["port"])
@@ -260,16 +262,17 @@ class WarmLauncher:
             self.server.wait()
 
     def run(self, script: str, args: list[str], env: dict[str, str], timeout: float, config: str | None = None,
-            nproc: int = 1, port: int = 0) -> subprocess.CompletedProcess:
+            nproc: int = 1, port: int = 0, multi_gpu: bool = False) -> subprocess.CompletedProcess:
         if self.server is None or self.server.poll() is not None:
             self.start()
         self.runs += 1
         out, err = self.workdir / f"run{self.runs}.out", self.workdir / f"run{self.runs}.err"
         out.write_text(""), err.write_text("")
         request = {"script": script, "args": args, "env": env, "cwd": str(self.repo_root), "config": config,
-                   "nproc": nproc, "port": port, "stdout": str(out), "stderr": str(err)}
-        command = ["(warm)", *(["accelerate", "launch", "--config_file", config, "--num_processes", str(nproc)]
-                               if config else ["python"]), script, *args]
+                   "multi_gpu": multi_gpu, "nproc": nproc, "port": port, "stdout": str(out), "stderr": str(err)}
+        how = ["--config_file", config] if config else ["--multi_gpu"]
+        command = ["(warm)", *(["accelerate", "launch", *how, "--num_processes", str(nproc)]
+                               if config or multi_gpu else ["python"]), script, *args]
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
             connection.connect(self.socket_path)
             connection.settimeout(timeout)

@@ -1,10 +1,17 @@
-"""Score a loaded model on tasks with EleutherAI's lm-evaluation-harness, one task at a time, cached.
+"""Score a model on tasks with EleutherAI's lm-evaluation-harness, one task at a time, cached.
 
-`lm_eval.simple_evaluate` runs on an `HFLM` built around the model already in memory (an export the run just
-reloaded, or one scripts/evaluate.py loaded), once per task so each task keeps its own limit and few-shot
-count and is cached on its own: under `cache_dir`, keyed by the model (name + revision, or a local folder's
-weight files' sizes and times), the task's config and data bytes, the settings and lm-eval's version. A
-resume or a re-run therefore scores the base model once.
+`lm_eval.simple_evaluate` runs on an lm-eval model: an `HFLM` built around the model already in memory (an
+export the run just reloaded, or one scripts/evaluate.py loaded), or lm-eval's vLLM model on a model folder
+(scripts/evaluate.py --backend vllm). It runs once per task so each task keeps its own limit and few-shot count
+and is cached on its own: under `cache_dir`, keyed by the model (name + revision, or a local folder's weight
+files' sizes and times), the task's config and data bytes, the settings and lm-eval's version. A resume or a
+re-run therefore scores the base model once.
+
+Data-parallel (scripts/evaluate.py under `accelerate launch`): every process holds the whole model and scores
+its share of each task's requests through lm-eval's own data-parallel path, which an `HFLM` around a model
+instance skips ("assuming single-process call"); `data_parallel_hflm` gives it what its own launch would have
+(the Accelerator, rank and world size). lm-eval returns the scores on rank 0 only; rank 0 alone reads and
+writes the cache and sends every rank the same scores, so all ranks agree on which tasks to score.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class EvalSettings:
     max_gen_toks: int | None = None  # caps generation tasks' answers (None: each task's own max_gen_toks)
     apply_chat_template: bool = False  # prompts through the tokenizer's chat template (instruction-tuned models)
     seed: int = 1234  # lm-eval's sampling seeds (few-shot example choice)
+    backend: str = "hf"  # lm-eval's model class: "hf" (transformers, HFLM) or "vllm"
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,8 @@ def _run_task(lm, task: EvalTask, settings: EvalSettings) -> dict[str, Any]:
         gen_kwargs={"max_gen_toks": settings.max_gen_toks} if settings.max_gen_toks else None,
         random_seed=settings.seed, numpy_random_seed=settings.seed, torch_random_seed=settings.seed,
         fewshot_random_seed=settings.seed, bootstrap_iters=1000)
+    if results is None:  # a data-parallel rank other than 0: lm-eval gathered its share on rank 0
+        return None
     return {"results": results["results"][task.name], "n_samples": results["n-samples"][task.name]}
 
 
@@ -103,27 +113,64 @@ def _score(task: EvalTask, raw: dict[str, Any]) -> TaskScore:
     return TaskScore(task.name, metric, float(results[metric]), stderr, int(raw["n_samples"]["effective"]))
 
 
+def data_parallel_hflm(model, tokenizer, settings: EvalSettings, accelerator=None):
+    """lm-eval's `HFLM` around `model`; with an Accelerator of several processes, in lm-eval's data-parallel mode.
+
+    HFLM sets rank 0 of 1 for a model instance (lm-eval 0.4.13 enters its data-parallel mode only when it loads
+    the model itself, and only on more than one GPU); these are the attributes its own launch sets, which
+    `lm_eval.evaluator.evaluate` (request split, padding, gathering) and HFLM's gather/barrier read."""
+    import_lm_eval()
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
+    if accelerator is not None and accelerator.num_processes > 1:
+        lm.accelerator = accelerator
+        lm._rank, lm._world_size = accelerator.process_index, accelerator.num_processes
+    return lm
+
+
 def score_model(model, tokenizer, tasks: list[EvalTask], settings: EvalSettings, cache_dir: str | Path | None,
-                key: str) -> dict[str, TaskScore]:
-    """{task name: its score} for `model` (loaded, in eval mode); each task from the cache when `key` (model_key)
-    scored it before with the same task and settings."""
+                key: str, accelerator=None) -> dict[str, TaskScore]:
+    """{task name: its score} for `model` (loaded, in eval mode, on this process's device); each task from the
+    cache when `key` (model_key) scored it before with the same task and settings. With an Accelerator of several
+    processes, every process calls this and scores its share (data_parallel_hflm)."""
+    return score_lm(lambda: data_parallel_hflm(model, tokenizer, settings, accelerator), tasks, settings, cache_dir,
+                    key, accelerator)
+
+
+def score_lm(make_lm, tasks: list[EvalTask], settings: EvalSettings, cache_dir: str | Path | None, key: str,
+             accelerator=None) -> dict[str, TaskScore]:
+    """score_model for any lm-eval model: `make_lm()` builds it on the first task the cache does not hold."""
+    world_size = accelerator.num_processes if accelerator is not None else 1
+    first = accelerator is None or accelerator.is_main_process
     scores, lm = {}, None
     for task in tasks:
         path = _cache_path(Path(cache_dir), key, task, settings) if cache_dir else None
-        if path is not None and path.is_file():
-            raw = json.loads(path.read_text())
-            logger.info("%s: %s from the cache (%s)", task.name, json.loads(key)[0], path)
+        raw = json.loads(path.read_text()) if first and path is not None and path.is_file() else None
+        raw = _from_rank_zero(raw, world_size)  # a hit on rank 0 is a hit everywhere: no rank scores alone
+        if raw is not None:
+            if first:
+                logger.info("%s: %s from the cache (%s)", task.name, json.loads(key)[0], path)
         else:
             if lm is None:
-                import_lm_eval()
-                from lm_eval.models.huggingface import HFLM
-
-                lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
-            raw = _run_task(lm, task, settings)
-            if path is not None:
+                lm = make_lm()
+            raw = _run_task(lm, task, settings)  # None on every rank but 0
+            if first and path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 staging = path.with_suffix(".tmp")
                 staging.write_text(json.dumps(raw, default=str))
                 staging.replace(path)
+            raw = _from_rank_zero(raw, world_size)
         scores[task.name] = _score(task, raw)
     return scores
+
+
+def _from_rank_zero(value, world_size: int):
+    """Rank 0's `value` on every process of the launch (itself for one process)."""
+    if world_size <= 1:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
