@@ -106,6 +106,36 @@ def test_a_training_run_without_eval_tasks_never_imports_lm_eval():
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_a_few_shot_count_asked_for_overrides_a_task_files_own_zero(monkeypatch):
+    # gsm8k_local.yaml says num_fewshot: 0, and lm-eval alone never overrides a config's 0 with its num_fewshot
+    # argument (it only logs that it ignored it): the entry's count must reach the prompts.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sft_recipes.scores import import_lm_eval
+    from sft_recipes.scores.harness import EvalSettings, score_model
+
+    import_lm_eval()  # lm-eval without the environment its __init__ writes
+    from lm_eval.models.huggingface import HFLM
+
+    contexts = []
+    real_generate_until = HFLM.generate_until
+
+    def recording_generate_until(self, requests, *args, **kwargs):
+        contexts.extend(request.args[0] for request in requests)
+        return real_generate_until(self, requests, *args, **kwargs)
+
+    monkeypatch.setattr(HFLM, "generate_until", recording_generate_until)
+    base = resolve_model_path("tiny:llama")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(base).eval(), AutoTokenizer.from_pretrained(base)
+    for fewshot in (None, 2):
+        task = parse_tasks([{"task": "gsm8k_local", "limit": 1, **({"num_fewshot": fewshot} if fewshot else {})}])
+        score_model(model, tokenizer, task, EvalSettings(batch_size=1, max_gen_toks=1), None, "tiny")
+    zero_shot, two_shot = contexts
+    assert zero_shot.startswith("Question: Janet’s ducks lay 16 eggs per day.") and zero_shot.endswith("\nAnswer:")
+    assert zero_shot.count("Question:") == 1 and zero_shot.count("#### ") == 0
+    assert two_shot.endswith(zero_shot) and two_shot.count("Question:") == 3 and two_shot.count("#### ") == 2
+
+
 def test_the_gate_and_its_refusal_line():
     rows = [Comparison("alpaca_answers", "acc,none", 0.5, 0.375, 0.1, 0.125, 8, 0.1),
             Comparison("gsm8k_local", "exact_match,strict-match", 0.0, 0.0, 0.0, 0.0, 2, 0.1)]

@@ -89,6 +89,10 @@ def _run_task(lm, task: EvalTask, settings: EvalSettings) -> dict[str, Any]:
     # A local task goes in as its parsed config (data paths made absolute); a registry task by name, through
     # lm-eval's full index (~20 s, only then).
     spec = copy.deepcopy(task.config) if task.config is not None else task.name  # lm-eval edits configs in place
+    if task.config is not None and task.num_fewshot is not None:
+        # lm-eval never overrides a config's own `num_fewshot: 0` (gsm8k_local's default) with its num_fewshot
+        # argument, only logs that it ignored it: the count asked for goes into the config itself.
+        spec["num_fewshot"] = task.num_fewshot
     manager = TaskManager(include_defaults=task.config is None)
     results = lm_eval.simple_evaluate(
         model=lm, tasks=[spec], task_manager=manager, limit=task.limit, num_fewshot=task.num_fewshot,
