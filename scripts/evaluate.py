@@ -65,7 +65,7 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
 
 def load_model(name_or_path: str, revision: str | None):
     """(model, tokenizer): a run's export (an adapter merged onto its base), a model folder, or a Hub id."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from sft_recipes.loading import model_class_for
     from sft_recipes.reporting.load_export import export_kind, load_export
@@ -79,11 +79,24 @@ def load_model(name_or_path: str, revision: str | None):
         if hasattr(model, "merge_and_unload"):  # a PEFT adapter: scored merged, as it would be served
             model = model.merge_and_unload()
     else:
-        config = AutoConfig.from_pretrained(name_or_path, revision=revision)
+        config = hub_config(name_or_path, revision)
         model = model_class_for(config).from_pretrained(name_or_path, revision=revision)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision)
     model.config.use_cache = True
     return model.eval(), tokenizer
+
+
+def hub_config(name: str, revision: str | None):
+    """A Hub model's config; a name that is neither a folder here nor a model the Hub gives is one refusal."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name, revision=revision)
+    except OSError as err:  # no such repo or revision, no network, a gated model without a token
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RecipeError(f"MODEL {name!r} is not a folder here and not a model the Hugging Face Hub gives ({reason}): "
+                          "pass a run's output_dir, a model folder, or a Hub id (with --revision; HF_TOKEN for a gated "
+                          "model)") from None
 
 
 def launch_refusal(args: argparse.Namespace) -> str | None:
@@ -138,6 +151,8 @@ def vllm_model(args: argparse.Namespace, settings, folders: contextlib.ExitStack
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         del model
+    elif not Path(path).is_dir():
+        hub_config(path, args.revision)  # refused here, before vLLM starts, if the Hub does not give it
     import_lm_eval()
     from lm_eval.models.vllm_causallms import VLLM
 

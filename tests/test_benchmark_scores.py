@@ -15,7 +15,7 @@ import yaml
 
 from conftest import REALWORLD, REPO_ROOT, TINY_LLAMA_RECIPE, bin_path, free_port, launch_sft, read_summary, run_command
 from fault_helpers import rank_exit_codes
-from sft_recipes.errors import one_line_refusals
+from sft_recipes.errors import RecipeError, one_line_refusals
 from sft_recipes.loading import resolve_model_path
 from sft_recipes.preflight_launch import recipe_refusal
 from sft_recipes.scores.compare import Comparison, markdown_table, regression_refusal
@@ -368,3 +368,13 @@ def test_evaluate_py_on_two_processes_scores_what_one_process_scores(tmp_path):
         "error: scripts/evaluate.py runs under a launch of 2 processes, but --backend vllm runs in one process (vLLM "
         "starts its own workers): run `.venv/bin/python scripts/evaluate.py ... --backend vllm`, or launch with "
         "--backend hf"]
+
+
+def test_a_model_that_is_neither_a_folder_nor_on_the_hub_is_one_refusal(tmp_path):
+    evaluate = _evaluate_script()
+    with pytest.raises(RecipeError) as refused:
+        evaluate.load_model(str(tmp_path / "not-a-run"), None)
+    assert str(refused.value).startswith(f"MODEL '{tmp_path / 'not-a-run'}' is not a folder here and not a model the "
+                                         "Hugging Face Hub gives (")
+    assert str(refused.value).endswith("): pass a run's output_dir, a model folder, or a Hub id (with --revision; "
+                                       "HF_TOKEN for a gated model)")
