@@ -93,6 +93,11 @@ CASES = {
         {}, "leave average_tokens_across_devices at true"),
     "activation_offloading_without_accelerator": (
         {"activation_offloading": True}, {}, {}, "set activation_offloading: false on CPU"),
+    "liger_kernels_we_do_not_offer": (
+        {"use_liger_kernel": True}, {}, {},
+        "use_liger_kernel set (recipe): this project does not offer Liger's Triton kernels (liger-kernel is not in its "
+        "requirements and nothing here checks them, docs/kernels.md); remove use_liger_kernel -- the model's own "
+        "layers run instead, and torch_compile: true fuses each decoder layer"),
 }
 
 
