@@ -1,6 +1,6 @@
 """`torch_compile: true` (sft_recipes.compile): each decoder layer compiled in place before FSDP2 wraps it.
 
-For each twin (Llama, qwen3_5, gpt-oss with LoRA), one compiled run and one eager run, 2 processes, accelerate's
+For the Llama and qwen3_5 twins, one compiled run and one eager run, 2 processes, accelerate's
 activation checkpointing on (fsdp2_cpu.yaml): the losses agree within COMPILE_TOLERANCE, and the number of graphs
 dynamo compiled (in every step line) stops growing after the first steps. The planner and the linter are asked in-process.
 """
@@ -20,23 +20,22 @@ from sft_recipes.planner.report import format_plan, plan_recipe
 TINY = REPO_ROOT / "recipes" / "tiny"
 LOGGING = ("--save_steps", "1000", "--logging_steps", "1", "--report_to", "none", "--sample_prompts", "[]")
 # name: (recipe, arguments, steps, what the run says it compiled). Llama: packed chat blocks whose examples' number
-# and lengths change every step, 20 steps; the other twins 4 steps each (compiling them is the slow part): qwen3_5's
-# packed blocks (its recipe packs; the gated-delta layers' per-example torch path runs eagerly between graphs) and
-# gpt-oss's LoRA on attention and experts, unpacked reasoning rows padded to each batch's longest.
+# and lengths change every step, 20 steps; qwen3_5: its recipe's packed blocks, 6 steps (compiling it is the slow
+# part; the gated-delta layers' per-example torch loops run eagerly between graphs). gpt-oss is refused at lint time
+# (test_lint.py: its compiled layers fail under activation checkpointing, docs/compile.md).
 TWINS = {
     "llama8b": (TINY_LLAMA_RECIPE, ("--dataset_name", "data/samples/ultrachat.jsonl", "--dataset_format", "messages",
                                     "--pack_blocks", "true", "--max_length", "128"), 20,
                 "2 layers (LlamaDecoderLayer)"),
-    "qwen27b": (TINY / "qwen27b.yaml", ("--max_length", "128"), 4,
+    "qwen27b": (TINY / "qwen27b.yaml", ("--max_length", "128"), 6,
                 "6 layers (Qwen3_5DecoderLayer, Qwen3_5VisionBlock)"),
-    "gptoss120b": (TINY / "gptoss120b.yaml", ("--max_length", "256", "--gradient_accumulation_steps", "1",
-                                                  "--verify_export", "true"), 4,
-                   "2 layers (GptOssDecoderLayer)"),
 }
 # Inductor fuses and reorders fp32 arithmetic: measured max |compiled - eager| loss at most 1.4e-6 (docs/compile.md)
 COMPILE_TOLERANCE = 1e-4
-# Graphs compiled after step 2: measured 0 on every twin (docs/compile.md)
-LATE_GRAPHS_BOUND = 2
+# Graphs compiled after step 3: measured 0 on both twins. Llama compiles 1 graph at step 1 and nothing after; qwen3_5
+# 6 graphs at step 1 and 4 more at step 3, the first block whose examples' lengths change what the graphs after its
+# breaks were specialised on (dynamo then compiles them with dynamic sizes), and nothing after (docs/compile.md).
+SETTLED_AFTER_STEP, LATE_GRAPHS_BOUND = 3, 2
 
 
 @pytest.mark.fsdp
@@ -53,7 +52,7 @@ def test_compiled_layers_train_like_eager_without_recompiling_every_step(tmp_pat
               re.findall(rf"^step (\d+)/{steps} \| loss .*\| compiled graphs (\d+)", output, re.M)}
     assert list(graphs) == list(range(1, steps + 1)), output[-3000:]
     print(f"{twin}: compiled graphs per step: {graphs}")
-    assert graphs[1] > 0 and graphs[steps] - graphs[2] <= LATE_GRAPHS_BOUND, graphs
+    assert graphs[1] > 0 and graphs[steps] - graphs[SETTLED_AFTER_STEP] <= LATE_GRAPHS_BOUND, graphs
     compiled_summary, eager_losses = read_summary(tmp_path / "compiled"), read_summary(tmp_path / "eager")["losses"]
     assert list(compiled_summary["losses"]) == list(eager_losses) == [str(step) for step in range(1, steps + 1)]
     worst = max(abs(compiled_summary["losses"][step] - eager_losses[step]) for step in eager_losses)
