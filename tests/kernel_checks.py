@@ -107,7 +107,7 @@ def check_text(results: dict) -> None:
     model = text_model()
     dispatcher = modeling_qwen3_5.torch_chunk_gated_delta_rule
     # Ours, in front of transformers' binding, whose closure holds the implementation it calls.
-    results["dispatcher"] = dispatcher.__code__.co_qualname  # update_wrapper copied __qualname__
+    results["dispatcher"] = inspect.getclosurevars(dispatcher).nonlocals["packed"].__name__  # its route for packed rows
     results["kernel"] = inspect.getclosurevars(dispatcher.__wrapped__).nonlocals["implementation"].__module__
     separate = run(model, separate_batch(ids))
     # One block per row: [11 | 6 | 9 | pad 6], as pack_blocks + the collator build it.

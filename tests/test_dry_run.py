@@ -58,11 +58,18 @@ def test_world_size_flag_overrides_the_config(tmp_path):
     assert plan["world_size"] == 32
 
 
-def test_dry_run_lints_with_the_accelerate_config(tmp_path):
+def test_dry_run_lints_with_the_accelerate_config_and_refuses_liger_kernels(tmp_path):
     result = run_command([bin_path("python"), "scripts/sft.py", "recipes/llama8b.yaml", "--dry-run", "--config_file",
                           "accelerate_configs/fsdp2_8gpu.yaml", "--model_name_or_path",
-                          str(CONFIGS / "meta-llama__Llama-3.1-8B.json"), "--activation_checkpointing", "true"])
+                          str(CONFIGS / "meta-llama__Llama-3.1-8B.json"), "--activation_checkpointing", "true",
+                          "--use_liger_kernel", "true"])
     assert result.returncode == 2 and "activation checkpointing is on twice" in result.stderr
+    # liger-kernel is not installed: without the linter transformers' Trainer would raise ImportError at start.
+    assert result.stderr.rstrip().endswith(
+        "use_liger_kernel set (command line): this project does not offer Liger's Triton kernels (liger-kernel is not "
+        "in its requirements and nothing here checks them, docs/kernels.md); remove use_liger_kernel -- the model's "
+        "own layers run instead, and torch_compile: true fuses each decoder layer.")
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [result.stderr.rstrip().splitlines()[-1]]
 
 
 def test_dry_run_needs_a_world_size(tmp_path):

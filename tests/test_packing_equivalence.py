@@ -261,7 +261,7 @@ def test_bound_kernels_receive_the_boundaries_and_fla_one_row(monkeypatch):
 
 def test_two_rows_handed_to_a_one_row_kernel_compute_what_the_two_rows_do():
     """The flattening itself is exact: a one-row-only stand-in (our torch rule) gives the two-row result."""
-    from sft_recipes.architectures.qwen3_5 import _one_row_chunk_rule
+    from sft_recipes.architectures.qwen3_5 import _as_one_row, _chunk_rule
 
     def one_row_only(query, *args, cu_seqlens=None, **kwargs):
         assert query.shape[0] == 1
@@ -271,7 +271,7 @@ def test_two_rows_handed_to_a_one_row_kernel_compute_what_the_two_rows_do():
     cu_seqlens = torch.tensor([0, 5, 7, 8, 14], dtype=torch.int32)  # [5 | 2 of 3] [1 of 3 | 6]
     kwargs = dict(g=g, beta=beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
     two_rows, _ = CHUNK_RULE(query, key, value, **kwargs)
-    flattened, _ = _one_row_chunk_rule(one_row_only)(query, key, value, **kwargs)
+    flattened, _ = _chunk_rule(one_row_only, _as_one_row)(query, key, value, **kwargs)
     assert flattened.shape == two_rows.shape == (2, 7, 2, 8)
     assert torch.equal(flattened, two_rows)
 

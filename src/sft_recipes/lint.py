@@ -288,6 +288,29 @@ def torch_compile_settings_we_do_not_run(recipe: Recipe, ctx: LintContext) -> st
             f"mode; remove {', '.join(set_keys)} and set torch_compile: true")
 
 
+def torch_compile_on_an_architecture_it_breaks(recipe: Recipe, ctx: LintContext) -> str | None:
+    # Measured on the gpt-oss twin (LoRA on attention and experts, FSDP2 activation checkpointing): the first backward
+    # raises torch.utils.checkpoint.CheckpointError, the recomputed layer saving other tensors than its compiled
+    # forward did (expert routing indices where LoRA weights were). docs/compile.md.
+    config = ctx.model_config if recipe.training.torch_compile else None
+    if config is None or config.model_type != "gpt_oss":
+        return None
+    return ("torch_compile: true on gpt_oss: its compiled decoder layers fail at the first backward under activation "
+            "checkpointing (torch.utils.checkpoint.CheckpointError: the recomputed forward saves other tensors than "
+            "the compiled one, docs/compile.md); set torch_compile: false")
+
+
+def liger_kernels_we_do_not_offer(recipe: Recipe, ctx: LintContext) -> str | None:
+    # TrainingArguments (and TRL's SFTConfig) parse the key; without liger-kernel installed transformers' Trainer
+    # would raise ImportError after the data is built. Not offered: not in our requirements, its kernels unverified.
+    if not recipe.values.get("use_liger_kernel"):
+        return None
+    return (f"use_liger_kernel set ({_set_where(recipe, 'use_liger_kernel')}): this project does not offer Liger's "
+            "Triton kernels (liger-kernel is not in its requirements and nothing here checks them, docs/kernels.md); "
+            "remove use_liger_kernel -- the model's own layers run instead, and torch_compile: true fuses each "
+            "decoder layer")
+
+
 def fp8_this_machine_cannot_train(recipe: Recipe, ctx: LintContext) -> str | None:
     return fp8_problem(recipe.model.use_peft) if recipe.training.fp8 else None
 
@@ -331,6 +354,8 @@ RULES = (
     parallelism_config_these_recipes_cannot_run,
     activation_offloading_without_accelerator,
     torch_compile_settings_we_do_not_run,
+    torch_compile_on_an_architecture_it_breaks,
+    liger_kernels_we_do_not_offer,
     fp8_this_machine_cannot_train,
     benchmark_tasks_that_cannot_be_scored,
 )

@@ -55,8 +55,8 @@ def install_segment_aware_fallbacks(modeling_module: ModuleType) -> None:
         modeling_module.causal_conv1d_fn = _segment_aware_conv(conv)
     chunk = modeling_module.torch_chunk_gated_delta_rule
     if not _is_installed(chunk):
-        fix = _one_row_chunk_rule if kernel_bound(chunk) else _segment_aware_chunk_rule
-        modeling_module.torch_chunk_gated_delta_rule = fix(chunk)
+        packed = _as_one_row if kernel_bound(chunk) else _per_example
+        modeling_module.torch_chunk_gated_delta_rule = _chunk_rule(chunk, packed)
 
 
 def segment_bounds(
@@ -104,6 +104,13 @@ def _mark(dispatcher: Callable, original: Callable) -> Callable:
     return dispatcher
 
 
+def _eager_under_compile(per_example: Callable) -> Callable:
+    """The per-example loop runs eagerly under `torch_compile: true`: the examples' bounds are data (read with
+    `nonzero`/`tolist`), and tracing them would specialise a graph on every new set of example lengths -- a
+    recompile nearly every step (measured: none after step 2 this way, docs/compile.md). One graph break per call."""
+    return torch.compiler.disable(per_example, recursive=True)
+
+
 def _segment_aware_conv(original: Callable) -> Callable:
     def causal_conv1d_fn(
         hidden_states: torch.Tensor,
@@ -116,6 +123,10 @@ def _segment_aware_conv(original: Callable) -> Callable:
         cu_seqlens = kwargs.pop("cu_seq_lens_q", None)
         if seq_idx is None and cu_seqlens is None:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        return per_example(hidden_states, weight, bias, activation, seq_idx, cu_seqlens, **kwargs)
+
+    @_eager_under_compile
+    def per_example(hidden_states, weight, bias, activation, seq_idx, cu_seqlens, **kwargs):
         batch_size, channels, seq_len = hidden_states.shape
         pieces = [
             original(hidden_states[row : row + 1, :, start:end], weight, bias, activation=activation, **kwargs)
@@ -127,67 +138,61 @@ def _segment_aware_conv(original: Callable) -> Callable:
     return _mark(causal_conv1d_fn, original)
 
 
-def _segment_aware_chunk_rule(original: Callable) -> Callable:
+def _chunk_rule(original: Callable, packed: Callable) -> Callable:
+    """transformers' gated-delta call, ``(query, key, value, g=, beta=, initial_state=, output_final_state=, ...,
+    cu_seqlens=, seq_idx=)``: without packed boundaries ``original`` runs untouched; with them,
+    ``packed(original, query, key, value, g, beta, cu_seqlens, seq_idx, **the rest)``."""
+
     def torch_chunk_gated_delta_rule(
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
-        initial_state: torch.Tensor | None = None,
-        output_final_state: bool = False,
         cu_seqlens: torch.Tensor | None = None,
         seq_idx: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        state_kwargs = dict(initial_state=initial_state, output_final_state=output_final_state, **kwargs)
         if seq_idx is None and cu_seqlens is None:
-            return original(query, key, value, g=g, beta=beta, **state_kwargs)
-        batch_size, seq_len = query.shape[:2]
-        bounds = segment_bounds(batch_size, seq_len, seq_idx, cu_seqlens)
-        if initial_state is not None and len(bounds) > 1:
-            raise ValueError(
-                "A recurrent state cannot continue into several packed examples at once; run packed rows "
-                "without a cache (use_cache=False)."
-            )
-        outputs, final_states = [], []
-        for row, start, end in bounds:
-            piece = slice(row, row + 1), slice(start, end)
-            output, final_state = original(
-                query[piece], key[piece], value[piece], g=g[piece], beta=beta[piece], **state_kwargs
-            )
-            outputs.append(output)
-            final_states.append(final_state)
-        output = torch.cat(outputs, dim=1).reshape(batch_size, seq_len, *outputs[0].shape[2:])
-        # One final state per example, as fla returns them for cu_seqlens.
-        return output, torch.cat(final_states) if output_final_state else None
+            return original(query, key, value, g=g, beta=beta, **kwargs)
+        return packed(original, query, key, value, g, beta, cu_seqlens, seq_idx, **kwargs)
 
     return _mark(torch_chunk_gated_delta_rule, original)
 
 
-def _one_row_chunk_rule(kernel: Callable) -> Callable:
-    def torch_chunk_gated_delta_rule(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        cu_seqlens: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        batch_size, seq_len = query.shape[:2]
-        if cu_seqlens is None or batch_size == 1:
-            return kernel(query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, **kwargs)
-        # cu_seqlens count over the B rows back to back; rows always separate examples (as in segment_bounds),
-        # so every row edge is a boundary (our collators include them already).
-        row_edges = torch.arange(0, batch_size * seq_len + 1, seq_len, device=cu_seqlens.device)
-        cu_seqlens = torch.unique(torch.cat([cu_seqlens, row_edges.to(cu_seqlens.dtype)]))
-        one_row = (x.reshape(1, batch_size * seq_len, *x.shape[2:]) for x in (query, key, value, g, beta))
-        query, key, value, g, beta = one_row
-        output, final_state = kernel(query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, **kwargs)
-        return output.reshape(batch_size, seq_len, *output.shape[2:]), final_state
+@_eager_under_compile
+def _per_example(original, query, key, value, g, beta, cu_seqlens, seq_idx, **kwargs):
+    """The torch reference once per packed example (it ignores boundaries); one final state per example, as fla
+    returns them for cu_seqlens."""
+    batch_size, seq_len = query.shape[:2]
+    bounds = segment_bounds(batch_size, seq_len, seq_idx, cu_seqlens)
+    if kwargs.get("initial_state") is not None and len(bounds) > 1:
+        raise ValueError(
+            "A recurrent state cannot continue into several packed examples at once; run packed rows "
+            "without a cache (use_cache=False)."
+        )
+    outputs, final_states = [], []
+    for row, start, end in bounds:
+        piece = slice(row, row + 1), slice(start, end)
+        output, final_state = original(query[piece], key[piece], value[piece], g=g[piece], beta=beta[piece], **kwargs)
+        outputs.append(output)
+        final_states.append(final_state)
+    output = torch.cat(outputs, dim=1).reshape(batch_size, seq_len, *outputs[0].shape[2:])
+    return output, torch.cat(final_states) if kwargs.get("output_final_state") else None
 
-    return _mark(torch_chunk_gated_delta_rule, kernel)
+
+def _as_one_row(kernel, query, key, value, g, beta, cu_seqlens, seq_idx, **kwargs):
+    """fla's kernel, which takes cu_seqlens only with one row: B packed rows go in as one row of B x T tokens."""
+    batch_size, seq_len = query.shape[:2]
+    if cu_seqlens is None or batch_size == 1:
+        return kernel(query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, seq_idx=seq_idx, **kwargs)
+    # cu_seqlens count over the B rows back to back; rows always separate examples (as in segment_bounds),
+    # so every row edge is a boundary (our collators include them already).
+    row_edges = torch.arange(0, batch_size * seq_len + 1, seq_len, device=cu_seqlens.device)
+    cu_seqlens = torch.unique(torch.cat([cu_seqlens, row_edges.to(cu_seqlens.dtype)]))
+    query, key, value, g, beta = (x.reshape(1, batch_size * seq_len, *x.shape[2:]) for x in (query, key, value, g, beta))
+    output, final_state = kernel(query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, seq_idx=seq_idx, **kwargs)
+    return output.reshape(batch_size, seq_len, *output.shape[2:]), final_state
 
 
 # Boundary kwargs of the packed text rows (`data/collator.pack_kwargs`): Qwen3_5Model hands its **kwargs to the
