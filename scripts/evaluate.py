@@ -8,8 +8,8 @@
 
 MODEL is a run's output_dir (its export: a consolidated checkpoint, or a LoRA adapter merged onto its base on
 the fly), any local model folder, or a Hugging Face Hub model id (--revision). A task is one shipped in
-evals/tasks/ (alpaca_answers, gsm8k_local), a local lm-eval task YAML, or an lm-eval registry task (its data
-comes from the Hub). Prints a table and writes the scores as JSON (--output; default MODEL/benchmark_results.json
+evals/tasks/ (alpaca_answers, gsm8k_local, ifeval_local), a local lm-eval task YAML, or an lm-eval registry task
+(its data comes from the Hub). Prints a table and writes the scores as JSON (--output; default MODEL/benchmark_results.json
 for a folder). The same code scores a recipe's eval_tasks after training, so the numbers are the run's.
 
 Under `accelerate launch --num_processes N` (on CPU add --multi_gpu, which makes accelerate start N processes:

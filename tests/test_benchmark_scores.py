@@ -35,9 +35,11 @@ def _make_task_data():
 
 
 def test_shipped_tasks_parse_and_read_the_real_data_offline():
-    assert sorted(p.name for p in SHIPPED_TASKS_DIR.glob("*.yaml")) == ["alpaca_answers.yaml", "gsm8k_local.yaml"]
-    for path in SHIPPED_TASKS_DIR.glob("*.yaml"):
-        assert yaml.safe_load(path.read_text())["task"] == path.stem  # plain YAML (no !function) named as its file
+    assert sorted(p.name for p in SHIPPED_TASKS_DIR.glob("*.yaml")) == [
+        "alpaca_answers.yaml", "gsm8k_local.yaml", "ifeval_local.yaml"]
+    for name in ("alpaca_answers", "gsm8k_local"):
+        path = SHIPPED_TASKS_DIR / f"{name}.yaml"
+        assert yaml.safe_load(path.read_text())["task"] == name  # plain YAML (no !function) named as its file
     alpaca, gsm8k = parse_tasks(["alpaca_answers", {"task": "gsm8k_local", "limit": 5,
                                                      "metric": "exact_match,flexible-extract"}], limit=8)
     assert (alpaca.name, alpaca.limit, alpaca.num_fewshot, alpaca.metric) == ("alpaca_answers", 8, None, None)
@@ -61,7 +63,8 @@ def test_bad_tasks_are_refused_with_what_to_write(tmp_path):
     bad_metric.write_text((SHIPPED_TASKS_DIR / "alpaca_answers.yaml").read_text().replace("metric: acc_norm",
                                                                                           "metric: acc_nrom"))
     refusals = {
-        "gsm8k_locl": "unknown task 'gsm8k_locl' -- not a task shipped in evals/tasks/ (alpaca_answers, gsm8k_local), "
+        "gsm8k_locl": "unknown task 'gsm8k_locl' -- not a task shipped in evals/tasks/ (alpaca_answers, gsm8k_local, "
+                      "ifeval_local), "
                       "not one of lm-eval's tasks (closest: gsm8k_local",
         str(broken): f"task file {broken} does not parse (",
         str(bad_metric): f"task file {bad_metric}: metric 'acc_nrom' does not exist in lm-eval",
@@ -79,6 +82,9 @@ def test_bad_tasks_are_refused_with_what_to_write(tmp_path):
     with pytest.raises(ValueError, match=r"^eval_tasks: ifeval needs (immutabledict, langdetect: \.venv/bin/pip install "
                                          r"'lm-eval\[ifeval\]==0\.4\.13'|nltk's punkt_tab data)"):
         parse_tasks(["ifeval"])
+    for shipped in ("ifeval_local", str(SHIPPED_TASKS_DIR / "ifeval_local.yaml")):  # refused before its file imports
+        with pytest.raises(ValueError, match=r"^eval_tasks: ifeval needs "):
+            parse_tasks([shipped])
 
 
 def test_a_bad_task_is_refused_by_the_launch_preflight_before_any_process_starts():
@@ -378,3 +384,26 @@ def test_a_model_that_is_neither_a_folder_nor_on_the_hub_is_one_refusal(tmp_path
                                          "Hugging Face Hub gives (")
     assert str(refused.value).endswith("): pass a run's output_dir, a model folder, or a Hub id (with --revision; "
                                        "HF_TOKEN for a gated model)")
+
+
+def test_ifeval_local_is_lm_evals_ifeval_on_the_real_prompts_read_offline():
+    class FunctionTags(yaml.SafeLoader):  # read the task file as text, without importing the checkers
+        pass
+
+    FunctionTags.add_constructor("!function", lambda loader, node: f"!function {loader.construct_scalar(node)}")
+    ours = yaml.load((SHIPPED_TASKS_DIR / "ifeval_local.yaml").read_text(), Loader=FunctionTags)
+    theirs = yaml.load((Path(importlib.util.find_spec("lm_eval").origin).parent / "tasks" / "ifeval" / "ifeval.yaml")
+                       .read_text(), Loader=FunctionTags)
+    assert {key: value for key, value in theirs.items() if key not in ours or ours[key] != value} == {
+        "task": "ifeval", "dataset_path": "google/IFEval", "dataset_name": None,
+        "process_results": "!function utils.process_results", "metric_list": theirs["metric_list"]}
+    assert ours["process_results"] == "!function ifeval_checks.process_results"
+    assert [{**m, "aggregation": m["aggregation"].replace("ifeval_checks.", "utils.")} for m in ours["metric_list"]] \
+        == theirs["metric_list"]  # the same four metrics, aggregated by lm-eval's own function
+    assert ours["dataset_kwargs"] == {"data_files": {"train": "data/realworld/eval/google__IFEval.input_data.jsonl"}}
+    rows = [json.loads(line) for line in (REALWORLD / "eval" / "google__IFEval.input_data.jsonl").read_text().splitlines()]
+    assert len(rows) == 541 and all(set(row) == {"key", "prompt", "instruction_id_list", "kwargs"} for row in rows)
+    assert rows[0]["instruction_id_list"] == ["punctuation:no_comma", "detectable_format:number_highlighted_sections",
+                                              "length_constraints:number_words"]
+    checks = (SHIPPED_TASKS_DIR / "ifeval_checks.py").read_text()
+    assert "from lm_eval.tasks.ifeval.utils import agg_inst_level_acc, process_results" in checks

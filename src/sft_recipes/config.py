@@ -222,8 +222,9 @@ class TrainingArguments(SFTConfig):
     eval_tasks: list[str | dict] | None = field(
         default=None,
         metadata={"help": "Benchmark tasks lm-evaluation-harness scores the export and the base model on, after the "
-                  "export check (docs/evaluation.md): a task shipped in evals/tasks/ (alpaca_answers, gsm8k_local), "
-                  "a local lm-eval task YAML, or an lm-eval registry task (its data from the Hub); an entry may be "
+                  "export check (docs/evaluation.md): a task shipped in evals/tasks/ (alpaca_answers, gsm8k_local, "
+                  "ifeval_local), a local lm-eval task YAML, or an lm-eval registry task (its data from the Hub); an "
+                  "entry may be "
                   "{task: ..., limit: N, num_fewshot: K, metric: 'metric,filter'}."},
     )
     eval_limit: int | None = field(

@@ -161,6 +161,8 @@ def parse_task(entry: Any, default_limit: int | None, default_fewshot: int | Non
             raise ValueError(f"eval_tasks entry {entry!r}: {key} must be a whole number "
                              f"({'at least 1' if key == 'limit' else '0 or more'}) or null, got {value!r}")
     path = Path(entry) if entry.endswith((".yaml", ".yml")) else shipped_task_file(entry)
+    if (path.stem if path is not None else entry).startswith("ifeval"):  # before its file imports the checkers
+        refuse_ifeval_without_its_data()
     if path is not None:
         if not path.is_file():
             raise ValueError(f"eval_tasks: task file {entry} does not exist (give a path to an lm-eval task YAML, or "
@@ -173,8 +175,6 @@ def parse_task(entry: Any, default_limit: int | None, default_fewshot: int | Non
         task = EvalTask(config["task"], config, limit, fewshot, settings.get("metric"))
         available = metric_keys(config)
     elif entry in registry_names():
-        if entry.startswith("ifeval"):
-            refuse_ifeval_without_its_data()
         task, available = EvalTask(entry, None, limit, fewshot, settings.get("metric")), None
     else:
         import difflib
