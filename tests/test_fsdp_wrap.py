@@ -12,7 +12,7 @@ import accelerate.utils.fsdp_utils
 import pytest
 import torch
 
-from sft_recipes.fsdp_wrap import group_output_head_with_final_norm, text_decoder_final_norm
+from sft_recipes.fsdp_wrap import group_output_head_with_final_norm, resolve_fsdp_wrap_classes, text_decoder_final_norm
 from sft_recipes.tiny import AUTO_MODEL_CLASSES, tiny_config
 
 
@@ -39,3 +39,15 @@ def test_accelerate_finds_the_vlm_s_final_norm_once_grouped():
     assert upstream(qwen) is None  # accelerate's own search: base_model's children (visual, language_model)
     assert find(qwen) is qwen.model.language_model.norm
     assert find(llama) is upstream(llama) is llama.model.norm  # where upstream finds it, its answer stands
+
+
+def test_a_set_of_unit_classes_resolves_in_one_order_whatever_the_hash_seed():
+    # transformers 5 keeps a composite model's _no_split_modules as a set (the qwen3_5 VLM's two block classes), whose
+    # order changes with PYTHONHASHSEED: the compile line and the pinned env var once differed between CI runs
+    names = [f"Block{letter}" for letter in "HCFADGBE"]
+    model = torch.nn.Sequential(*(type(name, (torch.nn.Module,), {})() for name in names))
+    model._no_split_modules = set(names)
+    assert resolve_fsdp_wrap_classes(model) == sorted(names)
+    qwen = tiny_model("qwen3_5")
+    assert isinstance(qwen._no_split_modules, set)
+    assert resolve_fsdp_wrap_classes(qwen) == ["Qwen3_5DecoderLayer", "Qwen3_5VisionBlock"]

@@ -51,7 +51,9 @@ def resolve_fsdp_wrap_classes(model: torch.nn.Module, recipe_classes: list[str] 
     elif launcher_classes:
         classes, source = launcher_classes, "the accelerate config's fsdp_transformer_layer_cls_to_wrap"
     else:
-        classes, source = list(getattr(model, "_no_split_modules", None) or []), "the model's _no_split_modules"
+        # transformers 5 keeps a composite model's _no_split_modules as a set: sorted, so every process (and every
+        # PYTHONHASHSEED) logs and pins the same order
+        classes, source = sorted(getattr(model, "_no_split_modules", None) or []), "the model's _no_split_modules"
     present = sorted({type(module).__name__ for module in model.modules()})
     if not classes:
         raise RecipeError(
