@@ -93,6 +93,17 @@ def test_an_override_that_is_not_yaml_is_one_refusal_naming_the_key():
         "quote the value as one shell word and close its brackets, e.g. --eval_max_regression '{gsm8k_local: 0.02}'.")
 
 
+def test_an_unquoted_no_is_transformers_no_strategy_in_a_file_and_on_the_command_line(tmp_path):
+    # YAML 1.1 reads `no` and `off` as false; transformers documents `save_strategy: no`
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(BASE) + "save_strategy: no\neval_strategy: off\n")
+    recipe = load_recipe(path, ["--logging_strategy", "no"])
+    assert (recipe.training.save_strategy, recipe.training.eval_strategy, recipe.training.logging_strategy) == (
+        "no", "no", "no")
+    with pytest.raises(RecipeError, match=r"'save_strategy' must be one of \['no', 'steps', 'epoch', 'best'\].*True"):
+        load_recipe(path, ["--save_strategy", "yes"])  # true names no choice
+
+
 def test_bare_flag_means_true_and_positional_junk_is_rejected():
     assert parse_cli_overrides(["--use_cpu"]) == {"use_cpu": True}
     with pytest.raises(RecipeError, match="Unexpected argument 'stray'"):

@@ -331,6 +331,14 @@ def interpolate_env(value: Any, missing: list[str]) -> Any:
     return value
 
 
+def _yaml_no_as_choice(value: Any, choices: list[Any]) -> str:
+    """`save_strategy: no` as transformers spells it: YAML 1.1 reads an unquoted `no` (and `off`) as false, so false
+    means the choice "no" where there is one. Otherwise TypeError naming the choices."""
+    if value is False and "no" in choices:
+        return "no"
+    raise TypeError(f"one of {choices}")
+
+
 def _coerce(value: Any, annotation: Any) -> Any:
     """Return `value` as `annotation`, or raise TypeError. Accepts what YAML and the CLI produce."""
     origin = typing.get_origin(annotation)
@@ -350,12 +358,12 @@ def _coerce(value: Any, annotation: Any) -> Any:
     if origin is Literal:
         if value in args:
             return value
-        raise TypeError(f"one of {list(args)}")
+        return _yaml_no_as_choice(value, list(args))
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         choices = [m.value for m in annotation]
         if value in choices or isinstance(value, annotation):
             return value
-        raise TypeError(f"one of {choices}")
+        return _yaml_no_as_choice(value, choices)
     if annotation is bool:
         if isinstance(value, bool):
             return value
