@@ -91,11 +91,13 @@ def _run_task(lm, task: EvalTask, settings: EvalSettings) -> dict[str, Any]:
     spec = copy.deepcopy(task.config) if task.config is not None else task.name  # lm-eval edits configs in place
     if task.config is not None and task.num_fewshot is not None:
         # lm-eval never overrides a config's own `num_fewshot: 0` (gsm8k_local's default) with its num_fewshot
-        # argument, only logs that it ignored it: the count asked for goes into the config itself.
+        # argument, only logs that it ignored it: the count asked for goes into the config itself (and the
+        # argument stays None, or lm-eval warns that it overrides what the config now says).
         spec["num_fewshot"] = task.num_fewshot
     manager = TaskManager(include_defaults=task.config is None)
     results = lm_eval.simple_evaluate(
-        model=lm, tasks=[spec], task_manager=manager, limit=task.limit, num_fewshot=task.num_fewshot,
+        model=lm, tasks=[spec], task_manager=manager, limit=task.limit,
+        num_fewshot=task.num_fewshot if task.config is None else None,
         apply_chat_template=settings.apply_chat_template, log_samples=False,
         gen_kwargs={"max_gen_toks": settings.max_gen_toks} if settings.max_gen_toks else None,
         random_seed=settings.seed, numpy_random_seed=settings.seed, torch_random_seed=settings.seed,
