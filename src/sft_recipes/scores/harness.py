@@ -128,11 +128,33 @@ def data_parallel_hflm(model, tokenizer, settings: EvalSettings, accelerator=Non
     import_lm_eval()
     from lm_eval.models.huggingface import HFLM
 
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
-    if accelerator is not None and accelerator.num_processes > 1:
+    data_parallel = accelerator is not None and accelerator.num_processes > 1
+    hflm_logger = logging.getLogger(HFLM.__module__)
+    # under a launch, HFLM's two warnings on a model instance ("Please do not launch via accelerate", "assuming
+    # single-process call") are untrue on every rank: the attributes below make it data-parallel
+    filtered = _DropMessages("is not of type `str`", "assuming single-process call") if data_parallel else None
+    if filtered:
+        hflm_logger.addFilter(filtered)
+    try:
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
+    finally:
+        if filtered:
+            hflm_logger.removeFilter(filtered)
+    if data_parallel:
         lm.accelerator = accelerator
         lm._rank, lm._world_size = accelerator.process_index, accelerator.num_processes
     return lm
+
+
+class _DropMessages(logging.Filter):
+    """Drops the records whose message contains one of `parts`."""
+
+    def __init__(self, *parts: str) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(part in record.getMessage() for part in self.parts)
 
 
 def score_model(model, tokenizer, tasks: list[EvalTask], settings: EvalSettings, cache_dir: str | Path | None,
