@@ -214,3 +214,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in AREA_OF_FILE:  # a file in no area fails tests/test_suite_layout.py
             item.add_marker(getattr(pytest.mark, AREA_OF_FILE[item.path.name]))
+
+
+# ── The inner loop's guard: a test that takes more than ~10 s carries `slow` or `fsdp`, or `make test-fast` carries
+# it (docs/testing.md). Durations are reported, never asserted: the list is printed at the end of every run. ──
+INNER_LOOP_SECONDS = 10.0
+_unmarked_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if not ({"slow", "fsdp"} & set(report.keywords)):
+        _unmarked_seconds[report.nodeid] = _unmarked_seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    over = sorted(((seconds, nodeid) for nodeid, seconds in _unmarked_seconds.items() if seconds > INNER_LOOP_SECONDS),
+                  reverse=True)
+    if over:
+        # a worker's first script run also starts the warm launcher (~15 s): that test is listed, and is not slow
+        terminalreporter.section(f"over {INNER_LOOP_SECONDS:.0f} s without a slow or fsdp marker (make test-fast runs "
+                                 "them; a worker's first script run includes the warm launcher's start)")
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"{seconds:6.1f}s {nodeid}")
