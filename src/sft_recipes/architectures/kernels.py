@@ -57,7 +57,7 @@ def use_torch_references_where_triton_cannot_run() -> None:
     """Where Triton cannot run, replace the kernels transformers bound (in modeling modules already imported).
 
     Idempotent; a no-op on a GPU or under the interpreter. Called when a model class is resolved
-    (`sft_recipes.loading`) and when the packing fixes import qwen3_5's modeling module.
+    (`sft_recipes.loading`) and before the packing fixes wrap qwen3_5's functions (`install_segment_aware_fallbacks`).
     """
     if triton_runs_here():
         return

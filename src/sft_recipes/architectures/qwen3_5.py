@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from sft_recipes.architectures.kernels import kernel_bound
+from sft_recipes.architectures.kernels import kernel_bound, use_torch_references_where_triton_cannot_run
 
 # Set on our dispatchers so installing twice does not wrap a wrapper.
 _SEGMENT_AWARE = "_sft_recipes_segment_aware"
@@ -50,6 +50,8 @@ def install_segment_aware_fallbacks(modeling_module: ModuleType) -> None:
     (``causal_conv1d_fn`` and ``torch_chunk_gated_delta_rule`` at module level). Where fla is bound,
     its gated-delta kernel gets a batch of packed rows as the one row it accepts. Idempotent.
     """
+    # fla's kernels, bound when the module imported, cannot run without a GPU or Triton's interpreter
+    use_torch_references_where_triton_cannot_run()
     conv = modeling_module.causal_conv1d_fn
     if not _is_installed(conv) and not kernel_bound(conv):
         modeling_module.causal_conv1d_fn = _segment_aware_conv(conv)

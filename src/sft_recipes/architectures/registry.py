@@ -7,13 +7,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
-from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from sft_recipes.architectures import gpt_oss, qwen3_5
-from sft_recipes.architectures.kernels import use_torch_references_where_triton_cannot_run
-
-# modeling_qwen3_5 bound fla when it imported; without a GPU (or Triton's interpreter) fla cannot run.
-use_torch_references_where_triton_cannot_run()
 
 
 @dataclass(frozen=True)
@@ -26,13 +21,19 @@ class PackingQuirk:
     expose_leaks: Callable[[torch.nn.Module], None] | None = None
 
 
+# transformers' qwen3_5 modeling module is imported here, for a qwen3_5 model only: where fla is installed, importing
+# it imports fla's ~4 s of Triton kernels (every rank of every run paid that when this module imported it).
 def _install_qwen3_5_fallbacks(model: torch.nn.Module) -> None:
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
     qwen3_5.install_segment_aware_fallbacks(modeling_qwen3_5)
 
 
 def _slow_qwen3_5_gates(model: torch.nn.Module) -> None:
     # The recurrent state decays by exp(-exp(A_log) * softplus(a + dt_bias)) per token; near 1,
     # state carried across an example boundary survives to the end of the next example.
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, modeling_qwen3_5.Qwen3_5GatedDeltaNet):

@@ -58,7 +58,6 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.mixtral import modeling_mixtral
-from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from sft_recipes.architectures.registry import prepare_for_packing
 from sft_recipes.architectures.towers import text_decoder
@@ -356,7 +355,7 @@ class _LinearShard:
     rank: int
 
 
-def _linear_shard(layer: modeling_qwen3_5.Qwen3_5GatedDeltaNet, group: dist.ProcessGroup) -> _LinearShard:
+def _linear_shard(layer: torch.nn.Module, group: dist.ProcessGroup) -> _LinearShard:
     sp_size = dist.get_world_size(group)
     k_heads, v_heads = _even_split(layer.num_k_heads, sp_size), _even_split(layer.num_v_heads, sp_size)
 
@@ -407,6 +406,8 @@ def _sequence_parallel_chunk_rule(rule: Callable) -> Callable:
 
 
 def _install_linear_dispatchers() -> None:
+    from transformers.models.qwen3_5 import modeling_qwen3_5  # imported already: the model has its layers
+
     if not getattr(modeling_qwen3_5.causal_conv1d_fn, _SHARD, False):
         modeling_qwen3_5.causal_conv1d_fn = _sequence_parallel_conv(modeling_qwen3_5.causal_conv1d_fn)
     if not getattr(modeling_qwen3_5.torch_chunk_gated_delta_rule, _SHARD, False):
@@ -523,8 +524,10 @@ def enable_sequence_parallel(model: torch.nn.Module, group: dist.ProcessGroup) -
     decoder.register_forward_pre_hook(_block_masks, with_kwargs=True, prepend=True)
     if getattr(text_config, "output_router_logits", None) is not None:  # a mixture of experts
         _install_load_balancing_dispatchers(group)
+    # Only a qwen3_5 model has imported transformers' qwen3_5 modeling module (it imports fla where installed)
+    gated_delta_net = getattr(sys.modules.get("transformers.models.qwen3_5.modeling_qwen3_5"), "Qwen3_5GatedDeltaNet", ())
     for module in decoder.layers.modules():
-        if isinstance(module, modeling_qwen3_5.Qwen3_5GatedDeltaNet):
+        if isinstance(module, gated_delta_net):
             _install_linear_dispatchers()
             _mark_linear_layer(module, _linear_shard(module, group))
         elif hasattr(module, "num_key_value_groups") and hasattr(module, "q_proj"):
