@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch._dynamo  # noqa: F401  its import sets TORCHINDUCTOR_CACHE_DIR (torch's cache_dir()): here, before any test
 import torch.distributed as dist
 from warm_launcher import WarmLauncher, import_time_environment
 

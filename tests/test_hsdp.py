@@ -18,9 +18,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import (
-    HSDP_CPU_CONFIG, TINY_LLAMA_RECIPE, assert_resume_reproduces, launch_sft, read_summary,
+    HSDP_CPU_CONFIG, TINY_LLAMA_RECIPE, assert_resume_reproduces, bin_path, free_port, launch_sft, read_summary,
+    run_command,
 )
-from fault_helpers import finish, process_state, start_run, wait_for, worker_pid
+from fault_helpers import FAULT_LAUNCHER, finish, process_state, start_run, wait_for, worker_pid
 
 pytestmark = pytest.mark.fsdp
 
@@ -40,10 +41,12 @@ def preempted_copy(full, to) -> None:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hsdp")
     common = (*COMMON, *GLOBAL_BATCH)
-    hsdp = start_run(*common, "--output_dir", str(root / "hsdp"), recipe=str(TINY_LLAMA_RECIPE),
-                     config=HSDP_CPU_CONFIG, nproc=4, env={"PROBE_LOCAL_SHARDS": str(root / "shards")})
-    hsdp_result = finish(hsdp)
-    assert hsdp_result.returncode == 0, hsdp_result.output[-6000:]
+    # Through the warm launcher: the real `accelerate launch` of HSDP 2 x 2 is the killed and hung runs' below
+    hsdp = run_command([bin_path("accelerate"), "launch", "--config_file", str(HSDP_CPU_CONFIG), "--num_processes", "4",
+                        "--main_process_port", str(free_port()), str(FAULT_LAUNCHER), str(TINY_LLAMA_RECIPE), *common,
+                        "--output_dir", str(root / "hsdp")], env={"PROBE_LOCAL_SHARDS": str(root / "shards")})
+    hsdp_output = hsdp.stdout + hsdp.stderr
+    assert hsdp.returncode == 0, hsdp_output[-6000:]
     launch_sft(TINY_LLAMA_RECIPE, *common, "--output_dir", str(root / "flat4"), nproc=4)
     # 2 per device x 4 processes x 2 accumulation steps = 16: the all-reduce across replicas waits for the last
     launch_sft(TINY_LLAMA_RECIPE, *common, "--output_dir", str(root / "hsdp_accumulated"),
@@ -56,7 +59,7 @@ def runs(tmp_path_factory):
                                      config=HSDP_CPU_CONFIG),
                "on_flat2": launch_sft(TINY_LLAMA_RECIPE, *common, "--output_dir", str(root / "on_flat2"), nproc=2)}
     launch_sft(TINY_LLAMA_RECIPE, *common, "--output_dir", str(root / "on_one"), nproc=1)
-    return {"root": root, "hsdp_output": hsdp_result.output,
+    return {"root": root, "hsdp_output": hsdp_output,
             "resume_logs": {layout: result.stdout + result.stderr for layout, result in resumed.items()}}
 
 
@@ -137,6 +140,7 @@ def test_a_rank_killed_in_the_other_replica_ends_every_rank_without_a_timeout(tm
                     config=HSDP_CPU_CONFIG, nproc=4, env={"FAULT_KILL_IN_SAVE": "2:2"})  # rank 2: replica 1
     result = finish(run, watch_ranks=(0, 1, 2, 3))
     assert result.returncode != 0
+    assert f"[mesh] {HSDP_LAYOUT} (replica 0: ranks 0-1; replica 1: ranks 2-3)" in result.output  # the real launch's mesh
     assert not (out / "checkpoint-2" / "checkpoint_complete.json").exists()
     # The survivors did not wait for a collective timeout (ddp_timeout: 1800 s by default).
     assert max(result.gone_at.values()) - result.gone_at[2] < 60, result.output[-3000:]

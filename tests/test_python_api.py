@@ -20,8 +20,10 @@ import time
 
 import pytest
 
-from conftest import CPU_CONFIG, TINY_LLAMA_RECIPE, assert_resume_reproduces, free_port, read_summary
-from fault_helpers import Run, complete, start_run, wait_for, worker_pid
+from conftest import (
+    CPU_CONFIG, TINY_LLAMA_RECIPE, assert_resume_reproduces, bin_path, free_port, read_summary, run_command,
+)
+from fault_helpers import FAULT_LAUNCHER, Run, complete, start_run, wait_for, worker_pid
 from in_process_worker import outcomes, run_in_processes
 
 pytestmark = pytest.mark.fsdp
@@ -60,10 +62,14 @@ def create_injected_run(store) -> str:
     return client.create_run(client.create_experiment(EXPERIMENT)).info.run_id
 
 
+def launch_arguments(output_dir) -> tuple[str, ...]:
+    return ("--max_steps", str(STEPS), "--save_steps", str(SAVE_EVERY), "--sample_prompts", "[]",
+            "--output_dir", str(output_dir))
+
+
 def launch(output_dir, env: dict[str, str]) -> Run:
     """The workload's command on one node: `accelerate launch` of the recipe, slowed so a kill lands mid-run."""
-    return start_run("--max_steps", str(STEPS), "--save_steps", str(SAVE_EVERY), "--sample_prompts", "[]",
-                     "--output_dir", str(output_dir), env={"FAULT_SLOW_STEP_SECONDS": "0.5", **env})
+    return start_run(*launch_arguments(output_dir), env={"FAULT_SLOW_STEP_SECONDS": "0.5", **env})
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +89,12 @@ def retried(tmp_path_factory):
     first.wait()
     assert not (output_dir / "run_summary.json").exists(), first.output[-3000:]
 
-    second = launch(output_dir, env)  # the runtime's retry: the same command, the same MLFLOW_RUN_ID
-    assert second.wait() == 0, second.output[-6000:]
+    # The runtime's retry: the same command, the same MLFLOW_RUN_ID. Nothing signals it, so it goes through the
+    # warm launcher (the first attempt is the real `accelerate launch` whose workers are killed), unslowed.
+    second = run_command([bin_path("accelerate"), "launch", "--config_file", str(CPU_CONFIG), "--num_processes", "2",
+                          "--main_process_port", str(free_port()), str(FAULT_LAUNCHER), str(TINY_LLAMA_RECIPE),
+                          *launch_arguments(output_dir)], env=env)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-6000:]
     return {"store": store, "output_dir": output_dir, "run_id": run_id, "killed": workers}
 
 
