@@ -72,6 +72,9 @@ def preload() -> None:
     import sft_recipes.config  # noqa: F401
     import sft_recipes.run  # noqa: F401
     import sft_recipes.python_api  # noqa: F401
+    # The product imports it for qwen3_5 models only (with fla, ~4 s): the qwen3_5 runs fork with it imported, the
+    # kernels it bound are put back by the packing fixes or model loading in the worker, as in a real run
+    import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401
     from sft_recipes.planner.dry_run import plan_dry_run  # noqa: F401
 
 
