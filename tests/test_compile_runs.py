@@ -1,6 +1,6 @@
 """`torch_compile: true` (sft_recipes.compile): each decoder layer compiled in place before FSDP2 wraps it.
 
-For the Llama and qwen3_5 twins, one compiled run and one eager run, 2 processes, accelerate's
+For the Llama, qwen3_5 and gpt-oss twins, one compiled run and one eager run, 2 processes, accelerate's
 activation checkpointing on (fsdp2_cpu.yaml): the losses agree within COMPILE_TOLERANCE, and the number of graphs
 dynamo compiled (in every step line) stops growing after the first steps. The planner and the linter are asked in-process.
 """
@@ -21,20 +21,24 @@ TINY = REPO_ROOT / "recipes" / "tiny"
 LOGGING = ("--save_steps", "1000", "--logging_steps", "1", "--report_to", "none", "--sample_prompts", "[]")
 # name: (recipe, arguments, steps, what the run says it compiled). Llama: packed chat blocks whose examples' number
 # and lengths change every step, 20 steps; qwen3_5: its recipe's packed blocks, 6 steps (compiling it is the slow
-# part; the gated-delta layers' per-example torch loops run eagerly between graphs). gpt-oss is refused at lint time
-# (test_lint.py: its compiled layers fail under activation checkpointing, docs/compile.md).
+# part; the gated-delta layers' per-example torch loops run eagerly between graphs); gpt-oss: its recipe's unpacked
+# reasoning examples of changing lengths, one a step, LoRA on attention and on the experts (peft's ParamWrapper, run
+# eagerly), 5 steps.
 TWINS = {
     "llama8b": (TINY_LLAMA_RECIPE, ("--dataset_name", "data/samples/ultrachat.jsonl", "--dataset_format", "messages",
                                     "--pack_blocks", "true", "--max_length", "128"), 20,
                 "2 layers (LlamaDecoderLayer)"),
     "qwen27b": (TINY / "qwen27b.yaml", ("--max_length", "128"), 6,
                 "6 layers (Qwen3_5DecoderLayer, Qwen3_5VisionBlock)"),
+    "gptoss120b": (TINY / "gptoss120b.yaml", ("--gradient_accumulation_steps", "1", "--verify_export", "true"), 5,
+                   "2 layers (GptOssDecoderLayer)"),
 }
 # Inductor fuses and reorders fp32 arithmetic: measured max |compiled - eager| loss at most 1.4e-6 (docs/compile.md)
 COMPILE_TOLERANCE = 1e-4
-# Graphs compiled after step 3: measured 0 on both twins. Llama compiles 1 graph at step 1 and nothing after; qwen3_5
-# 6 graphs at step 1 and 4 more at step 3, the first block whose examples' lengths change what the graphs after its
-# breaks were specialised on (dynamo then compiles them with dynamic sizes), and nothing after (docs/compile.md).
+# Graphs compiled after step 3: measured 0 on all three twins. Llama compiles 1 graph at step 1 and nothing after;
+# qwen3_5 6 graphs at step 1 and 4 more at step 3, the first block whose examples' lengths change what the graphs
+# after its breaks were specialised on (dynamo then compiles them with dynamic sizes), and nothing after; gpt-oss 10
+# at step 1 and 12 more at step 2, its first new example length (docs/compile.md).
 SETTLED_AFTER_STEP, LATE_GRAPHS_BOUND = 3, 2
 
 

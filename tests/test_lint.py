@@ -93,11 +93,6 @@ CASES = {
         {}, "leave average_tokens_across_devices at true"),
     "activation_offloading_without_accelerator": (
         {"activation_offloading": True}, {}, {}, "set activation_offloading: false on CPU"),
-    "torch_compile_on_an_architecture_it_breaks": (
-        {"torch_compile": True}, {"model_config": tiny_config("gpt_oss")}, {},
-        "torch_compile: true on gpt_oss: its compiled decoder layers fail at the first backward under activation "
-        "checkpointing (torch.utils.checkpoint.CheckpointError: the recomputed forward saves other tensors than the "
-        "compiled one, docs/compile.md); set torch_compile: false"),
     "liger_kernels_we_do_not_offer": (
         {"use_liger_kernel": True}, {}, {},
         "use_liger_kernel set (recipe): this project does not offer Liger's Triton kernels (liger-kernel is not in its "

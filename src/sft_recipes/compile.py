@@ -39,10 +39,31 @@ def compile_decoder_layers(model: torch.nn.Module, layer_classes: list[str], bac
     # (.item()/nonzero), and a forward's Python side effects are not replayed when checkpointing recomputes it.
     torch._dynamo.config.capture_scalar_outputs = True
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    # A layer frame's compiled variants: 2 nested forward wrappers (transformers' checkpointing one, again on FSDP2's
+    # subclass) x input requiring grad or not x static then dynamic lengths = 8, dynamo's default recompile_limit; past
+    # it a frame runs eagerly, and checkpoint's recompute then saves other tensors than the compiled forward did
+    # (CheckpointError, measured on the gpt-oss twin at step 2). The variants are bounded, not per layer or step.
+    torch._dynamo.config.recompile_limit = 64
     layers = [module for module in model.modules() if type(module).__name__ in layer_classes]
+    run_expert_lora_eagerly(model)
     for layer in layers:
         layer.compile(backend=backend)
     return len(layers)
+
+
+def run_expert_lora_eagerly(model: torch.nn.Module) -> None:
+    """Keep peft's `ParamWrapper`s (LoRA on parameters: gpt-oss's experts) out of the compiled graphs.
+
+    Every forward, a ParamWrapper registers a torch parametrization on the experts module (a fresh class each call)
+    and removes it after. Traced, that breaks the graph and fails dynamo's guards on every call until its
+    recompile_limit (8), after which those frames run eagerly: under activation checkpointing the recompute then
+    ran other graphs than the forward had, and backward raised CheckpointError (saved tensors in another order).
+    Run eagerly, forward and recompute take the same path (measured: gradients equal eager's, docs/compile.md)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    for module in model.modules():
+        if isinstance(module, ParamWrapper):
+            module.forward = torch.compiler.disable(module.forward)
 
 
 def compiled_graphs() -> int:

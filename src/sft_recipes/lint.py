@@ -288,18 +288,6 @@ def torch_compile_settings_we_do_not_run(recipe: Recipe, ctx: LintContext) -> st
             f"mode; remove {', '.join(set_keys)} and set torch_compile: true")
 
 
-def torch_compile_on_an_architecture_it_breaks(recipe: Recipe, ctx: LintContext) -> str | None:
-    # Measured on the gpt-oss twin (LoRA on attention and experts, FSDP2 activation checkpointing): the first backward
-    # raises torch.utils.checkpoint.CheckpointError, the recomputed layer saving other tensors than its compiled
-    # forward did (expert routing indices where LoRA weights were). docs/compile.md.
-    config = ctx.model_config if recipe.training.torch_compile else None
-    if config is None or config.model_type != "gpt_oss":
-        return None
-    return ("torch_compile: true on gpt_oss: its compiled decoder layers fail at the first backward under activation "
-            "checkpointing (torch.utils.checkpoint.CheckpointError: the recomputed forward saves other tensors than "
-            "the compiled one, docs/compile.md); set torch_compile: false")
-
-
 def liger_kernels_we_do_not_offer(recipe: Recipe, ctx: LintContext) -> str | None:
     # TrainingArguments (and TRL's SFTConfig) parse the key; without liger-kernel installed transformers' Trainer
     # would raise ImportError after the data is built. Not offered: not in our requirements, its kernels unverified.
@@ -354,7 +342,6 @@ RULES = (
     parallelism_config_these_recipes_cannot_run,
     activation_offloading_without_accelerator,
     torch_compile_settings_we_do_not_run,
-    torch_compile_on_an_architecture_it_breaks,
     liger_kernels_we_do_not_offer,
     fp8_this_machine_cannot_train,
     benchmark_tasks_that_cannot_be_scored,
