@@ -16,6 +16,14 @@ import pytest
 import torch._dynamo  # noqa: F401  its import sets TORCHINDUCTOR_CACHE_DIR (torch's cache_dir()): here, before any test
 import torch.distributed as dist
 from warm_launcher import WarmLauncher, import_time_environment
+from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: F401  (binds fla's kernels where fla imports)
+
+from sft_recipes.architectures.kernels import use_torch_references_where_triton_cannot_run
+
+# Tests build qwen3_5 models straight from a config; the product loads every model through sft_recipes.loading,
+# which puts transformers' torch references back where fla's Triton kernels cannot run. Done here once, so that no
+# test's forward depends on which test ran before it in its worker.
+use_torch_references_where_triton_cannot_run()
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Real chat templates, configs and data rows with their sources: byte-for-byte copies of the team's

@@ -223,6 +223,7 @@ def _lockstep_worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
+    from sft_recipes.architectures.kernels import use_torch_references_where_triton_cannot_run
     from sft_recipes.architectures.qwen3_5 import prepare_for_image_packing
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -232,6 +233,7 @@ def _lockstep_worker(rank: int, port: int, out_dir: str) -> None:
     processing = VisionProcessing(build_tokenizer("qwen3_5"), tiny_image_processor(config), config)
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float().eval()
+    use_torch_references_where_triton_cannot_run()  # as sft_recipes.loading does for every model it loads
     prepare_for_image_packing(model)  # as in an image run: the tower runs (on a blank image) every forward
     for block in [*model.model.visual.blocks, *model.model.language_model.layers]:
         fully_shard(block)
