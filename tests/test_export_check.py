@@ -95,3 +95,44 @@ def test_a_bf16_trained_model_exported_in_float32_is_checked_at_the_precision_it
     assert 1e-4 < diff <= 5e-2  # bf16 rounding, within what a bf16 comparison allows
     assert EXPORTED <= {p.name for p in output_dir.iterdir()}
     assert export.logit_tolerance(torch.float32, torch.float32) == 1e-4  # an fp32 run stays checked at fp32
+
+
+# ── Mixtures of experts: a near tie in a router is not a defect of the export ─────────────────────
+# Router logits per layer, [positions, experts]; top 2 of 4 experts. Position 1's experts 1 and 2 tie within rounding.
+TRAINED_ROUTERS = [torch.tensor([[3.0, 2.0, 0.0, -1.0], [3.0, 1.000, 0.999, -1.0], [0.0, 1.0, 2.0, 3.0]]),
+                   torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]])]
+
+
+def test_a_position_a_near_tie_routed_elsewhere_is_left_out_of_the_comparison():
+    reloaded = [TRAINED_ROUTERS[0] + torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, -0.002, 0.002, 0.0], [0.0] * 4]),
+                # once routed elsewhere, a position's later layers may differ by anything: it is out already
+                TRAINED_ROUTERS[1] + torch.tensor([[0.0] * 4, [5.0, 0.0, 0.0, -5.0], [0.0] * 4])]
+    compared = export.positions_routed_alike(TRAINED_ROUTERS, reloaded, top_k=2, tolerance=0.05)
+    assert compared.tolist() == [True, False, True]
+
+
+def test_a_router_that_differs_by_more_than_the_tolerance_keeps_its_position_in():
+    reloaded = [TRAINED_ROUTERS[0] + torch.tensor([[0.0] * 4, [0.0, -0.5, 0.5, 0.0], [0.0] * 4]), TRAINED_ROUTERS[1]]
+    compared = export.positions_routed_alike(TRAINED_ROUTERS, reloaded, top_k=2, tolerance=0.05)
+    assert compared.tolist() == [True, True, True]
+
+
+def test_a_tie_that_tips_only_in_a_later_layer_is_left_out_there():
+    trained = [TRAINED_ROUTERS[0], torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0], [4.0, 2.0, 1.995, 1.0]])]
+    reloaded = [TRAINED_ROUTERS[0], trained[1] + torch.tensor([[0.0] * 4, [0.0] * 4, [0.0, 0.0, 0.01, 0.0]])]
+    compared = export.positions_routed_alike(trained, reloaded, top_k=2, tolerance=0.05)
+    assert compared.tolist() == [True, True, False]
+
+
+def test_all_positions_are_compared_when_every_one_would_be_left_out():
+    one = [torch.tensor([[1.0, 0.999]])]
+    assert export.positions_routed_alike(one, [torch.tensor([[0.999, 1.0]])], top_k=1, tolerance=0.05).tolist() == [True]
+
+
+@pytest.mark.parametrize("model_type, top_k", [("gpt_oss", 2), ("llama", None), ("qwen3_5", None)])
+def test_only_a_mixture_of_experts_has_its_routing_compared(model_type, top_k):
+    from sft_recipes.tiny import tiny_config
+
+    config = tiny_config(model_type)
+    assert export.experts_per_token(config) == top_k == getattr(getattr(config, "text_config", config),
+                                                                "num_experts_per_tok", None)
