@@ -25,6 +25,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import re
 import sys
 import tempfile
 from datetime import timedelta
@@ -178,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     entries = [name for arg in args.tasks for name in arg.split(",") if name]
     try:
         tasks = parse_tasks(entries, args.limit, args.num_fewshot)
-    except ValueError as err:
-        raise RecipeError(str(err)) from None
+    except ValueError as err:  # worded for a recipe's eval_tasks; here the user wrote --tasks
+        raise RecipeError(re.sub(r"^eval_tasks\b", "--tasks", str(err))) from None
     settings = EvalSettings(batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
                             apply_chat_template=args.apply_chat_template, seed=args.seed, backend=args.backend)
     key = model_key(args.model, args.revision)

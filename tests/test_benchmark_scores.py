@@ -380,6 +380,20 @@ def test_evaluate_py_on_two_processes_scores_what_one_process_scores(tmp_path):
         "--backend hf"]
 
 
+def test_evaluate_py_names_its_own_option_when_it_refuses_a_task(capsys):
+    evaluate = _evaluate_script()
+    lines = {
+        "gsm8k_locl": "error: --tasks: unknown task 'gsm8k_locl' -- not a task shipped in evals/tasks/ (alpaca_answers, "
+                      "gsm8k_local, ifeval_local), not one of lm-eval's tasks (closest: gsm8k_local, gsm8k_llama, "
+                      "gsm8k_cot), and not a .yaml task file",
+        "alpaca_answers,alpaca_answers": "error: --tasks names a task twice (alpaca_answers): each task is scored once "
+                                         "per model",
+    }
+    for tasks, line in lines.items():  # refused before the model (which does not exist) is looked for
+        code = one_line_refusals(lambda: evaluate.main(["no/such-model", "--tasks", tasks]))
+        assert (code, capsys.readouterr().err.strip().splitlines()) == (2, [line])
+
+
 def test_a_model_that_is_neither_a_folder_nor_on_the_hub_is_one_refusal(tmp_path):
     evaluate = _evaluate_script()
     with pytest.raises(RecipeError) as refused:
