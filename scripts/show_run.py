@@ -13,18 +13,22 @@ from importlib.metadata import version
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
 
-from sft_recipes.loading import model_class_for
+from sft_recipes.errors import RecipeError, one_line_refusals
+from sft_recipes.reporting.export_check import ExportCheck
+from sft_recipes.reporting.load_export import export_kind, load_export
 from sft_recipes.reporting.samples import PROMPT_STYLES, prompt_ids
 
 
 def main(output_dir: str) -> int:
     out = Path(output_dir)
-    summary = json.loads((out / "run_summary.json").read_text())
-    config = AutoConfig.from_pretrained(out)
-    model = model_class_for(config).from_pretrained(out).eval()
-    tokenizer = AutoTokenizer.from_pretrained(out)
+    try:
+        summary = json.loads((out / "run_summary.json").read_text())
+        adapter = export_kind(out) == "adapter"
+    except (OSError, ValueError):
+        raise RecipeError(f"{out} holds no finished run (no readable run_summary.json and export): pass a run's "
+                          "output_dir, e.g. make show OUT=outputs/demo") from None
+    model, tokenizer = load_export(out)  # a LoRA adapter loads onto the base its adapter_config.json names
     question = "What is 2 + 3?"
     style = summary.get("prompt_style", "alpaca")  # asked as the run trained; runs before the key: the alpaca twin
     input_ids = torch.tensor([prompt_ids(tokenizer, question, style)])
@@ -39,8 +43,11 @@ def main(output_dir: str) -> int:
     if summary.get("eval_losses"):
         evals = ", ".join(f"step {step}: {loss:.4f}" for step, loss in summary["eval_losses"].items())
         print(f"  eval loss          {evals} (token-weighted mean over the held-out rows)")
-    print(f"  checkpoint         {out}/ ({', '.join(sorted(p.name for p in out.glob('*.safetensors')))}, config.json, tokenizer)")
-    print(f"  reloaded as        {type(model).__name__}; export check max |logit diff| = {summary['export_max_logit_diff']}")
+    files = [*sorted(p.name for p in out.glob("*.safetensors")), "adapter_config.json" if adapter else "config.json"]
+    print(f"  checkpoint         {out}/ ({', '.join(files)}, tokenizer)")
+    loaded = f"{type(model.get_base_model()).__name__} + its LoRA adapter (peft)" if adapter else type(model).__name__
+    print(f"  reloaded as        {loaded}")
+    print(f"  export check       {ExportCheck.from_summary(summary).describe()}")
     print(f"  sample generation  {question!r} -> {completion.strip()!r} (asked with the {PROMPT_STYLES[style]})")
     if summary.get("stand_in_note"):
         print(f"                     {summary['stand_in_note']}")
@@ -71,4 +78,4 @@ def main(output_dir: str) -> int:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit(__doc__)
-    sys.exit(main(sys.argv[1]))
+    sys.exit(one_line_refusals(lambda: main(sys.argv[1])))

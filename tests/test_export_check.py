@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sft_recipes import export
 from sft_recipes.export import ExportCheckError, export_run
+from sft_recipes.reporting.export_check import ExportCheck
 from sft_recipes.tiny import ensure_tiny
 
 EXPORTED = {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
@@ -51,8 +52,8 @@ MODEL_ARGS = SimpleNamespace(use_peft=False, export_dtype="auto", verify_export=
 
 
 def test_a_faithful_export_stays_in_place(trainer, output_dir):
-    _, diff = export_run(trainer, MODEL_ARGS, output_dir, load_base=None)
-    assert diff <= 1e-4
+    _, check = export_run(trainer, MODEL_ARGS, output_dir, load_base=None)
+    assert check.status == "passed" and check.max_logit_diff <= 1e-4 and check.detail == ""
     assert EXPORTED <= {p.name for p in output_dir.iterdir()}
     assert not list(output_dir.glob("export-FAILED-*"))
 
@@ -90,9 +91,9 @@ def test_a_bf16_trained_model_exported_in_float32_is_checked_at_the_precision_it
 
     trainer.model.forward = autocast_forward
     trainer.args = SimpleNamespace(bf16=True, fp16=False)
-    _, diff = export_run(trainer, SimpleNamespace(use_peft=False, export_dtype="float32", verify_export=True),
-                         output_dir, load_base=None)
-    assert 1e-4 < diff <= 5e-2  # bf16 rounding, within what a bf16 comparison allows
+    _, check = export_run(trainer, SimpleNamespace(use_peft=False, export_dtype="float32", verify_export=True),
+                          output_dir, load_base=None)
+    assert 1e-4 < check.max_logit_diff <= 5e-2  # bf16 rounding, within what a bf16 comparison allows
     assert EXPORTED <= {p.name for p in output_dir.iterdir()}
     assert export.logit_tolerance(torch.float32, torch.float32) == 1e-4  # an fp32 run stays checked at fp32
 
@@ -127,6 +128,19 @@ def test_a_tie_that_tips_only_in_a_later_layer_is_left_out_there():
 def test_all_positions_are_compared_when_every_one_would_be_left_out():
     one = [torch.tensor([[1.0, 0.999]])]
     assert export.positions_routed_alike(one, [torch.tensor([[0.999, 1.0]])], top_k=1, tolerance=0.05).tolist() == [True]
+
+
+def test_what_a_passed_check_left_out_is_in_its_card_line_and_read_back_from_the_summary():
+    left_out = ("2 of 64 probe positions left out: a near tie in a router sent them to other experts in the reload "
+                "(router logits within 0.05)")
+    check = ExportCheck.from_summary({"export_max_logit_diff": 0.0044, "export_check_left_out": left_out})
+    assert check == ExportCheck("passed", 0.0044, left_out)
+    assert check.describe() == ("passed: the reloaded export reproduces the trained model's logits (max abs difference "
+                                "0.0044; 2 of 64 probe positions left out: a near tie in a router sent them to other "
+                                "experts in the reload (router logits within 0.05))")
+    assert ExportCheck.from_summary({"export_max_logit_diff": 0.0}).describe() == (
+        "passed: the reloaded export reproduces the trained model's logits (max abs difference 0)")
+    assert ExportCheck.from_summary({"export_max_logit_diff": None}) == ExportCheck("skipped")
 
 
 @pytest.mark.parametrize("model_type, top_k", [("gpt_oss", 2), ("llama", None), ("qwen3_5", None)])

@@ -184,6 +184,22 @@ def test_every_lora_tensor_changed_with_the_recipe_ranks(runs):
 
 
 @pytest.mark.fsdp
+def test_make_show_loads_the_adapter_onto_its_base_and_refuses_a_folder_without_a_run(runs, tmp_path):
+    out = runs["root"] / "run"
+    shown = run_command([bin_path("python"), "scripts/show_run.py", str(out)])
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    diff = read_summary(out)["export_max_logit_diff"]
+    assert (f"  checkpoint         {out}/ (adapter_model.safetensors, adapter_config.json, tokenizer)\n"
+            "  reloaded as        GptOssForCausalLM + its LoRA adapter (peft)\n"
+            "  export check       passed: the reloaded export reproduces the trained model's logits (max abs "
+            f"difference {diff:.3g})\n") in shown.stdout, shown.stdout[-3000:]
+    refused = run_command([bin_path("python"), "scripts/show_run.py", str(tmp_path)])
+    assert (refused.returncode, refused.stderr.strip().splitlines()[-1]) == (
+        2, f"error: {tmp_path} holds no finished run (no readable run_summary.json and export): pass a run's "
+           "output_dir, e.g. make show OUT=outputs/demo")
+
+
+@pytest.mark.fsdp
 def test_exported_adapter_is_the_trained_one(runs, tmp_path):
     # In the run: fresh single-process base + saved adapter reproduced the sharded model's logits,
     # which also shows no frozen weight moved.

@@ -22,6 +22,7 @@ from transformers import AutoConfig
 
 from sft_recipes.errors import RecipeError
 from sft_recipes.loading import DTYPES, model_class_for
+from sft_recipes.reporting.export_check import ExportCheck
 
 logger = logging.getLogger("sft")
 
@@ -83,11 +84,11 @@ def probe_inputs(dataset, image_token_id: int | None = None) -> list[int] | dict
 
 @torch.no_grad()
 def verify_export(trainer, output_dir: str | Path, probe_ids: list[int], atol: float | None = None,
-                  on_reloaded: Callable[[torch.nn.Module], None] | None = None) -> float:
+                  on_reloaded: Callable[[torch.nn.Module], None] | None = None) -> ExportCheck:
     """Reload `output_dir` on rank 0 and compare its logits with the trained (sharded) model's.
 
-    Collective. Returns the max abs logit difference on every rank; raises on every rank (so no
-    rank is left waiting in a collective) when it exceeds `atol`.
+    Collective. Returns the passed check (its max abs logit difference) on every rank; raises on every rank (so no
+    rank is left waiting in a collective) when the difference exceeds `atol`.
     """
 
     def reload() -> torch.nn.Module:
@@ -136,7 +137,7 @@ def export_adapter(trainer, output_dir: str | Path) -> Path:
 def verify_adapter_export(
     trainer, adapter_dir: str | Path, load_base: Callable[[], torch.nn.Module], probe_ids: list[int],
     atol: float | None = None, on_reloaded: Callable[[torch.nn.Module], None] | None = None,
-) -> float:
+) -> ExportCheck:
     """Load a fresh base (`load_base()`) plus the saved adapter on rank 0, compare logits with the trained model's.
 
     Collective, like `verify_export`. Equal logits also prove that no frozen weight moved in training.
@@ -173,7 +174,7 @@ def _compare_with_reloaded(
     trainer, output_dir: str | Path, probe_ids: list[int] | dict[str, torch.Tensor],
     reload: Callable[[], torch.nn.Module], atol: float | None,
     on_reloaded: Callable[[torch.nn.Module], None] | None = None,
-) -> float:
+) -> ExportCheck:
     accelerator = trainer.accelerator
     model = trainer.model
     was_training = model.training
@@ -194,25 +195,26 @@ def _compare_with_reloaded(
         output = reloaded(**probe, **routing)
         logits = output.logits.float()
         compared = torch.ones(logits.shape[1], dtype=torch.bool)
+        left_out = ""
         if top_k:
             compared = positions_routed_alike(trained_routers, [layer.float() for layer in output.router_logits],
                                               top_k, tolerance)
             if not compared.all():
-                logger.info("[export] check: %d of %d probe positions left out, a near tie in a router sent them to "
-                            "other experts in the reload (router logits within %g)", int((~compared).sum()),
-                            compared.numel(), tolerance)
+                left_out = (f"{int((~compared).sum())} of {compared.numel()} probe positions left out: a near tie "
+                            f"in a router sent them to other experts in the reload (router logits within {tolerance:g})")
+                logger.info("[export] check: %s", left_out)
         diff = (logits - trained_logits).abs()[:, compared].max().item()
         if on_reloaded is not None and diff <= tolerance:  # e.g. sample generations: only from a checked export
             on_reloaded(reloaded)
-        outcome = [(diff, tolerance)]
+        outcome = [(diff, tolerance, left_out)]
     broadcast_object_list(outcome, from_process=0)
-    diff, tolerance = outcome[0]
+    diff, tolerance, left_out = outcome[0]
     if not diff <= tolerance:
         raise ExportCheckError(
             f"The exported checkpoint in {output_dir} does not reproduce the trained model: max |logit diff| "
             f"{diff:.3g} > {tolerance:g}.", reason=f"logit-diff-{diff:.3g}"
         )
-    return diff
+    return ExportCheck("passed", diff, left_out)
 
 
 def experts_per_token(config) -> int | None:
@@ -246,9 +248,10 @@ def positions_routed_alike(trained: list[torch.Tensor], reloaded: list[torch.Ten
 
 
 def export_run(trainer, model_args, output_dir: str | Path, load_base: Callable[[], torch.nn.Module],
-               on_reloaded: Callable[[torch.nn.Module], None] | None = None) -> tuple[Path, float | None]:
-    """The run's final artefact -- a PEFT adapter or a consolidated checkpoint -- and, unless the recipe
-    turned `verify_export` off, the max |logit difference| of its reload against the trained model.
+               on_reloaded: Callable[[torch.nn.Module], None] | None = None) -> tuple[Path, ExportCheck]:
+    """The run's final artefact -- a PEFT adapter or a consolidated checkpoint -- and its check: passed, with the
+    max |logit difference| of its reload against the trained model, or skipped where the recipe turned
+    `verify_export` off.
 
     Collective. When a check fails, the files this export wrote are moved to
     `output_dir/export-FAILED-<reason>-<time>/` (nothing loadable is left where a result belongs) and
@@ -271,13 +274,13 @@ def export_run(trainer, model_args, output_dir: str | Path, load_base: Callable[
 
 
 def _export_and_check(trainer, model_args, output_dir: Path, load_base: Callable[[], torch.nn.Module],
-                      on_reloaded: Callable[[torch.nn.Module], None] | None = None) -> float | None:
+                      on_reloaded: Callable[[torch.nn.Module], None] | None = None) -> ExportCheck:
     if model_args.use_peft:
         export_adapter(trainer, output_dir)
     else:
         export_consolidated(trainer, output_dir, model_args.export_dtype)
     if not model_args.verify_export:
-        return None
+        return ExportCheck("skipped")
     probe_ids = probe_inputs(trainer.training_data, getattr(trainer.model.config, "image_token_id", None))
     if model_args.use_peft:
         return verify_adapter_export(trainer, output_dir, load_base, probe_ids, on_reloaded=on_reloaded)

@@ -49,7 +49,7 @@ def earlier_result(run: Run) -> RunResult:
                           "stopped before its export): pass overwrite_output_dir=True to train again.") from None
     losses = {int(step): loss for step, loss in report["losses"].items()}
     return RunResult(output_dir=report["checkpoint"], losses=losses, eval_loss=report.get("eval_loss"),
-                     export_check=ExportCheck.from_logit_diff(report.get("export_max_logit_diff")),
+                     export_check=ExportCheck.from_summary(report),
                      mlflow_run_id=report.get("mlflow_run_id") if run.is_main else None,
                      summary=report if run.is_main else None)
 
@@ -65,24 +65,26 @@ def finish(run: Run, training: Training) -> RunResult:
                       **sample_settings(recipe), stand_in_note=random_stand_in(recipe.model.model_name_or_path))
 
     with sequence_parallel_suspended():  # the reload check runs its probe whole on every rank
-        output_dir, logit_diff = export_run(trainer, recipe.model, output_dir, load_base=run.source.load_model,
-                                            on_reloaded=samples_after if training.sample_prompts else None)
+        output_dir, export_check = export_run(trainer, recipe.model, output_dir, load_base=run.source.load_model,
+                                              on_reloaded=samples_after if training.sample_prompts else None)
     summary = training.summary
     result = RunResult(output_dir=str(output_dir), losses=dict(sorted(summary.losses.items())),
                        eval_loss=summary.eval_losses[max(summary.eval_losses)] if summary.eval_losses else None,
-                       export_check=ExportCheck.from_logit_diff(logit_diff), mlflow_run_id=summary.mlflow_run_id,
+                       export_check=export_check, mlflow_run_id=summary.mlflow_run_id,
                        summary=None)
     if not run.is_main:
         if wants_benchmarks(recipe.training) and (refusal := wait_for_outcome()):
             raise RecipeError(refusal)  # rank 0 prints it; every rank exits 2
         return result
     copy_processor_files(run.source.path, output_dir)  # a VLM's image processor: the export loads as it came in
-    report = summary.finish(training.seconds, output_dir, logit_diff, training.resumed_from, training.layout,
-                            trainer.data_wait_seconds)
+    report = summary.finish(training.seconds, output_dir, export_check.max_logit_diff, training.resumed_from,
+                            training.layout, trainer.data_wait_seconds)
     # How to prompt the export as it was trained, and whether it is a random stand-in (scripts/show_run.py reads both)
     report.update(prompt_style=prompt_style(recipe.data), stand_in_note=random_stand_in(recipe.model.model_name_or_path))
+    if export_check.detail:  # what the check left out (a mixture of experts' router near ties)
+        report["export_check_left_out"] = export_check.detail
     Path(output_dir, "run_summary.json").write_text(json.dumps(report, indent=2))
-    if training.sample_prompts and logit_diff is None:  # no export check, so no reloaded model to reuse
+    if training.sample_prompts and export_check.status == "skipped":  # no export check, so no reloaded model to reuse
         samples_after(load_export(output_dir)[0])
     benchmarks = None
     if wants_benchmarks(recipe.training):  # the export and its summary are on disk whatever scoring does
