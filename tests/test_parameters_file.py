@@ -13,6 +13,7 @@ from conftest import TINY_LLAMA_RECIPE, bin_path, run_command
 from sft_recipes.batching import derive_gradient_accumulation
 from sft_recipes.config import PARAMETERS_ENV, load_recipe
 from sft_recipes.errors import RecipeError
+from sft_recipes.reporting.export_check import ExportCheck
 from sft_recipes.reporting.summary import RunSummaryCallback
 
 
@@ -119,7 +120,8 @@ def test_a_parameters_file_that_cannot_be_read_is_one_refusal(parameters, monkey
 
 def test_summary_and_mlflow_tags_record_the_overrides():
     overrides = {"parameters": {"max_steps": 7}, "command_line": {"seed": 3}}
-    report = RunSummaryCallback(None, overrides=overrides).finish(1.0, "out", None, None, "NO over 1 process(es)")
+    report = RunSummaryCallback(None, overrides=overrides).finish(1.0, "out", ExportCheck("skipped"), None,
+                                                                  "NO over 1 process(es)")
     assert report["overrides"] == overrides
 
 

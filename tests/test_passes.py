@@ -15,6 +15,7 @@ from sft_recipes.data.passes import (
     count_blocks, first_short_micro_batch, plan_passes, reader_row_lengths, steps_in_pass,
 )
 from sft_recipes.fault.resume import nothing_left_to_train
+from sft_recipes.reporting.export_check import ExportCheck
 from sft_recipes.reporting.summary import RunSummaryCallback
 from sft_recipes.tiny import build_tokenizer
 from sft_recipes.trainer import BlockLoader
@@ -170,7 +171,7 @@ def test_a_rerun_after_the_stream_ended_names_the_cause_and_the_fix(tmp_path):
 def test_run_summary_records_a_stream_that_ended_before_max_steps(tmp_path):
     summary = RunSummaryCallback()
     summary.max_steps, summary.data_ended = 6, "[data] the packed stream ended at step 3 of max_steps 6: ..."
-    report = summary.finish(1.0, tmp_path, None, None, "FSDP2 over 2 process(es) on cpu")
+    report = summary.finish(1.0, tmp_path, ExportCheck("skipped"), None, "FSDP2 over 2 process(es) on cpu")
     assert (report["max_steps"], report["data_ended_before_max_steps"]) == (6, summary.data_ended)
     report.update(steps=3, final_loss=5.0, seconds_per_step=0.5)
     assert RunSummaryCallback.closing_line(report).startswith(

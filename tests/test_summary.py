@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 from transformers import TrainerControl, TrainerState
 
+from sft_recipes.reporting.export_check import ExportCheck
 from sft_recipes.reporting.summary import RunSummaryCallback
 
 
@@ -23,7 +24,7 @@ def test_the_last_step_is_logged_even_between_logging_steps():
         decisions.append(step(callback, state).should_log)
     assert decisions == [False, False, True]
     callback.on_log(SimpleNamespace(), state, TrainerControl(), logs={"loss": 2.5})
-    report = callback.finish(1.0, "out", None, None, "NO over 1 process(es) on cpu")
+    report = callback.finish(1.0, "out", ExportCheck("skipped"), None, "NO over 1 process(es) on cpu")
     assert report["final_loss"] == 2.5 and report["losses"] == {"3": 2.5} and report["steps"] == 3
     assert RunSummaryCallback.closing_line(report).endswith("final loss=2.5000 | checkpoint: out")
 
@@ -38,7 +39,7 @@ def test_a_resumed_run_keeps_the_losses_logged_before_its_checkpoint():
     for state.global_step, loss in ((5, 1.5), (6, 1.25)):
         step(callback, state)
         callback.on_log(SimpleNamespace(), state, TrainerControl(), logs={"loss": loss})
-    report = callback.finish(1.0, "out", None, "out/checkpoint-4", "NO over 1 process(es) on cpu")
+    report = callback.finish(1.0, "out", ExportCheck("skipped"), "out/checkpoint-4", "NO over 1 process(es) on cpu")
     assert report["losses"] == {"2": 3.0, "4": 2.0, "5": 1.5, "6": 1.25}
     assert report["eval_losses"] == {"2": 3.5} and report["final_loss"] == 1.25
     assert (report["steps"], report["steps_this_run"]) == (6, 2)
@@ -69,13 +70,24 @@ def test_the_wait_for_data_is_shown_beside_the_steps_and_warned_about_when_it_do
     for state.global_step in (1, 2):
         step(callback, state)
     callback.step_seconds = [1.01, 1.01]
-    report = callback.finish(116.0, "out", None, None, "FSDP2 over 2 process(es) on cpu", data_wait_seconds=112.0)
+    report = callback.finish(116.0, "out", ExportCheck("skipped"), None, "FSDP2 over 2 process(es) on cpu",
+                             data_wait_seconds=112.0)
     assert report["seconds_waiting_for_data_per_step"] == 56.0
     assert RunSummaryCallback.closing_line(report).startswith(
         "[train] 2 steps in 116.0s (1.01s/step + 56.00s/step waiting for data), ")
     assert data_wait_warning(report["seconds_per_step"], report["seconds_waiting_for_data_per_step"], 0) == (
         "[train] waiting for data took 98% of each step (56.00s waiting, 1.01s computing): raise "
         "dataloader_num_workers (now 0) or make rows cheaper to read (smaller images, shorter rows, data on a local disk)")
-    quick = callback.finish(2.1, "out", None, None, "", data_wait_seconds=0.08)  # 0.04 s a step: not worth a word
+    quick = callback.finish(2.1, "out", ExportCheck("skipped"), None, "", data_wait_seconds=0.08)  # 0.04 s a step: not worth a word
     assert "waiting" not in RunSummaryCallback.closing_line(quick)
     assert data_wait_warning(quick["seconds_per_step"], quick["seconds_waiting_for_data_per_step"], 0) is None
+
+
+def test_the_export_check_and_what_it_left_out_are_in_the_summary_and_read_back():
+    left_out = "2 of 64 probe positions left out: a near tie in a router sent them to other experts in the reload"
+    report = RunSummaryCallback().finish(1.0, "out", ExportCheck("passed", 0.0044, left_out), None, "")
+    assert (report["export_max_logit_diff"], report["export_check_left_out"]) == (0.0044, left_out)
+    assert ExportCheck.from_summary(report) == ExportCheck("passed", 0.0044, left_out)
+    skipped = RunSummaryCallback().finish(1.0, "out", ExportCheck("skipped"), None, "")
+    assert (skipped["export_max_logit_diff"], skipped["export_check_left_out"]) == (None, "")
+    assert ExportCheck.from_summary(skipped) == ExportCheck("skipped")

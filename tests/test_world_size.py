@@ -26,6 +26,7 @@ from sft_recipes.fault.world_size import (
     refuse_another_training_layout,
     whole_global_batches,
 )
+from sft_recipes.reporting.export_check import ExportCheck
 from sft_recipes.reporting.summary import RunSummaryCallback
 
 ROWS, MICRO, GLOBAL = 50, 2, 8  # 50 rows: 6 whole global batches an epoch, 2 rows left over
@@ -130,11 +131,12 @@ def test_a_packed_stream_resumes_on_an_equivalent_layout_only(tmp_path):
 def test_the_closing_line_says_when_a_resume_changed_the_world_size(tmp_path):
     summary = RunSummaryCallback()
     summary.world_size, summary.world_size_at_checkpoint = 1, 2
-    report = summary.finish(3.0, tmp_path, None, "out/checkpoint-2", "FSDP2 over 1 process(es) on cpu")
+    report = summary.finish(3.0, tmp_path, ExportCheck("skipped"), "out/checkpoint-2", "FSDP2 over 1 process(es) on cpu")
     assert (report["world_size"], report["world_size_at_checkpoint"]) == (1, 2)
     assert f"final loss=n/a, resumed on 1 process(es) from 2 | checkpoint: {tmp_path}" in summary.closing_line(report)
     summary.world_size_at_checkpoint = 1
-    assert "final loss=n/a | checkpoint" in summary.closing_line(summary.finish(3.0, tmp_path, None, None, ""))
+    closing = summary.closing_line(summary.finish(3.0, tmp_path, ExportCheck("skipped"), None, ""))
+    assert "final loss=n/a | checkpoint" in closing
 
 
 # ── Real runs: the tiny Llama twin with a fixed global batch, resumed on another number of processes ──────────

@@ -10,6 +10,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from sft_recipes.reporting.data_wait import per_step_text
+from sft_recipes.reporting.export_check import ExportCheck
 
 
 class RunSummaryCallback(TrainerCallback):
@@ -77,7 +78,7 @@ class RunSummaryCallback(TrainerCallback):
             if logs and key in logs:
                 self.last_metrics[key] = float(logs[key])
 
-    def finish(self, train_seconds: float, output_dir: Path, logit_diff: float | None, resumed_from: str | None,
+    def finish(self, train_seconds: float, output_dir: Path, export_check: ExportCheck, resumed_from: str | None,
                distributed: str, data_wait_seconds: float = 0.0) -> dict[str, Any]:
         """`data_wait_seconds`: rank 0's time fetching micro-batches (`data_wait.DataWaitMixin`), outside the steps."""
         steps_run = len(self.step_seconds)
@@ -105,7 +106,8 @@ class RunSummaryCallback(TrainerCallback):
             "mfu": self.last_metrics.get("mfu"),
             "peak_memory_gib": self.last_metrics.get("peak_memory_gib"),
             "checkpoint": str(output_dir),
-            "export_max_logit_diff": logit_diff,
+            "export_max_logit_diff": export_check.max_logit_diff,
+            "export_check_left_out": export_check.detail,  # a mixture of experts' router near ties
             "mlflow_tracking_uri": self.tracking_uri,
             "mlflow_run_id": self.mlflow_run_id,
             "overrides": self.overrides,

@@ -77,12 +77,10 @@ def finish(run: Run, training: Training) -> RunResult:
             raise RecipeError(refusal)  # rank 0 prints it; every rank exits 2
         return result
     copy_processor_files(run.source.path, output_dir)  # a VLM's image processor: the export loads as it came in
-    report = summary.finish(training.seconds, output_dir, export_check.max_logit_diff, training.resumed_from,
-                            training.layout, trainer.data_wait_seconds)
+    report = summary.finish(training.seconds, output_dir, export_check, training.resumed_from, training.layout,
+                            trainer.data_wait_seconds)
     # How to prompt the export as it was trained, and whether it is a random stand-in (scripts/show_run.py reads both)
     report.update(prompt_style=prompt_style(recipe.data), stand_in_note=random_stand_in(recipe.model.model_name_or_path))
-    if export_check.detail:  # what the check left out (a mixture of experts' router near ties)
-        report["export_check_left_out"] = export_check.detail
     Path(output_dir, "run_summary.json").write_text(json.dumps(report, indent=2))
     if training.sample_prompts and export_check.status == "skipped":  # no export check, so no reloaded model to reuse
         samples_after(load_export(output_dir)[0])
