@@ -25,6 +25,11 @@ from sft_recipes.architectures.kernels import use_torch_references_where_triton_
 # test's forward depends on which test ran before it in its worker.
 use_torch_references_where_triton_cannot_run()
 
+# A rank killed by a fatal signal prints its Python stack (and the warm launcher's forks inherit it). Seen once: rank 0
+# of the qwen3_5 eager run in test_compile_runs died of SIGSEGV inside the export's state-dict gather (clean-clone
+# suite, 2026-12-05), with no stack to say where; not reproduced in 3 runs alone.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Real chat templates, configs and data rows with their sources: byte-for-byte copies of the team's
 # shared/realworld/ (laid beside every checkout and CI clone), so a clone on its own tests the same.
