@@ -3,9 +3,15 @@
 
     .venv/bin/python benchmarks/startup_time.py                       # this checkout, best of 5
     .venv/bin/python benchmarks/startup_time.py --repo ../other-clone   # another checkout (its own .venv), e.g. before
+    .venv/bin/python benchmarks/startup_time.py --floor                 # also: what the imports alone cost
 
 Each launch is `make demo`'s command with `--max_steps 2 --report_to none` into a fresh output_dir; the clock
 stops when the console prints `step 1/` and again when the launcher exits.
+
+`--floor` times, in fresh interpreters of the same venv, the imports a launch cannot do without: the launcher's
+(before it starts any rank) and one rank's (the libraries a full fine-tune of the Llama twin uses, with and without
+peft, then with scripts/sft.py's own). The launcher's plus one rank's is the least any launch of this structure can
+take before its first step, whatever our code does.
 """
 
 from __future__ import annotations
@@ -39,10 +45,49 @@ def one_launch(repo: Path, output_dir: Path) -> tuple[float, float]:
     return first_step, time.perf_counter() - start
 
 
+# A rank of a full fine-tune needs these whatever our code does: FSDP2, the model's modeling module, TRL's trainer,
+# datasets. transformers and TRL import peft whenever it is installed (transformers.trainer_utils, TRL's
+# sft_trainer); hiding it from their availability check measures what "peft only for LoRA" could save.
+RANK_LIBRARIES = ("import torch.distributed.fsdp, datasets; from transformers.models.llama import modeling_llama; "
+                  "from trl import SFTTrainer")
+HIDE_PEFT = ("import transformers.utils.import_utils as availability; seen = availability._is_package_available; "
+             "availability._is_package_available = lambda name, *a, **k: (False, 'N/A') if name == 'peft' "
+             "else seen(name, *a, **k); ")
+FLOOR_IMPORTS = (
+    ("the interpreter alone", "pass"),
+    ("`accelerate launch`'s CLI (`accelerate.commands.accelerate_cli`: every subcommand)",
+     "import accelerate.commands.accelerate_cli"),
+    ("accelerate's launch command alone (`accelerate.commands.launch`, the `accelerate-launch` entry point)",
+     "import accelerate.commands.launch"),
+    ("a rank's libraries: FSDP2, transformers' Llama, TRL's SFTTrainer, datasets (peft comes with them)",
+     RANK_LIBRARIES),
+    ("the same with peft hidden from transformers and TRL", HIDE_PEFT + RANK_LIBRARIES),
+    ("a rank's imports as scripts/sft.py makes them (the libraries + sft_recipes)",
+     "import scripts.sft; " + RANK_LIBRARIES),
+)
+
+
+def import_seconds(repo: Path, code: str) -> float:
+    start = time.perf_counter()
+    subprocess.run([str(repo / ".venv" / "bin" / "python"), "-c", code], cwd=repo, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def floor_table(repo: Path, repeats: int) -> str:
+    rows = []
+    for what, code in FLOOR_IMPORTS:
+        seconds = [import_seconds(repo, code) for _ in range(repeats)]
+        rows.append([what, f"{min(seconds):.2f}", f"{statistics.median(seconds):.2f}",
+                     ", ".join(f"{value:.2f}" for value in seconds)])
+    return markdown_table(["imports in a fresh interpreter", "best (s)", "median (s)", "all (s)"], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[1])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--floor", action="store_true", help="also time the imports a launch cannot do without")
     args = parser.parse_args()
     repo = args.repo.resolve()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True).stdout
@@ -57,6 +102,9 @@ def main() -> None:
                            ", ".join(f"{value:.1f}" for value in first)],
                           ["whole launch (2 steps, export)", f"{min(whole):.1f}", f"{statistics.median(whole):.1f}",
                            ", ".join(f"{value:.1f}" for value in whole)]]))
+    if args.floor:
+        print()
+        print(floor_table(repo, args.repeats))
 
 
 if __name__ == "__main__":
