@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import io
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -95,3 +96,13 @@ def test_a_train_log_on_a_full_disk_leaves_the_refusal_on_the_console_and_exit_2
     gc.collect()
     assert unraisable == []
 
+
+
+def test_two_library_warnings_nobody_can_act_on_are_dropped_from_every_process():
+    # torchao (the test requirements; a user's FP8 venv) logs, in every process that imports it: each CUDA extension
+    # that cannot load on a CPU torch, and torch's deprecation of its register_constant() calls on Enum classes.
+    bare = subprocess.run([sys.executable, "-c", "import torchao"], capture_output=True, text=True, check=True)
+    assert "Failed to load" in bare.stderr and "is an Enum subclass" in bare.stderr  # what the filters are for
+    quiet = subprocess.run([sys.executable, "-c", "from sft_recipes.environment import set_runtime_defaults; "
+                            "set_runtime_defaults(); import torchao"], capture_output=True, text=True, check=True)
+    assert quiet.stderr == ""
