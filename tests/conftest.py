@@ -13,15 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from sft_recipes.environment import set_runtime_defaults
+import sft_recipes  # noqa: F401  first: it drops two library warnings (environment.drop_library_noise) before torchao
+import torch._dynamo  # noqa: F401  its import sets TORCHINDUCTOR_CACHE_DIR (torch's cache_dir()): here, before any test
+import torch.distributed as dist
+from warm_launcher import WarmLauncher, import_time_environment
+from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: F401  (binds fla's kernels where fla imports)
 
-set_runtime_defaults()  # as every script does first: the test processes' output carries no library noise either
-import torch._dynamo  # noqa: E402, F401  its import sets TORCHINDUCTOR_CACHE_DIR (torch's cache_dir()): here, before any test
-import torch.distributed as dist  # noqa: E402
-from warm_launcher import WarmLauncher, import_time_environment  # noqa: E402
-from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402, F401  (binds fla's kernels where fla imports)
-
-from sft_recipes.architectures.kernels import use_torch_references_where_triton_cannot_run  # noqa: E402
+from sft_recipes.architectures.kernels import use_torch_references_where_triton_cannot_run
 
 # Tests build qwen3_5 models straight from a config; the product loads every model through sft_recipes.loading,
 # which puts transformers' torch references back where fla's Triton kernels cannot run. Done here once, so that no

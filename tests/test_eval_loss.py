@@ -17,7 +17,8 @@ from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
 from sft_recipes.data.masking import tokenize_conversations
 from sft_recipes.architectures import prepare_for_packing
 from sft_recipes.data.collator import BlockDiagonalCollator
-from sft_recipes.data.mixture import eval_blocks
+from sft_recipes.data.mixture import describe_eval, eval_blocks, refuse_eval_without_answers
+from sft_recipes.errors import RecipeError
 from sft_recipes.loading import load_tokenizer
 from sft_recipes.run import Run
 from sft_recipes.run.data import source_data
@@ -62,8 +63,8 @@ def test_packed_eval_loss_equals_the_token_mean_of_the_examples_run_alone(model_
     model = tiny_model(model_type, "sdpa")  # qwen3_5: slowly decaying gates, so a leak across examples would show
     prepare_for_packing(model)
     rows = Dataset.from_list(conversations(6))  # llama: 5 blocks, qwen3_5: 3, each with a 2-conversation block
-    blocks = eval_blocks(rows, tokenizer, MAX_LENGTH)
-    assert len(blocks) > 2 and max(len(lengths) for lengths in blocks["seq_lengths"]) >= 2  # packed, several batches
+    blocks, left_out = eval_blocks(rows, tokenizer, MAX_LENGTH)
+    assert left_out == 0 and len(blocks) > 2 and max(len(lengths) for lengths in blocks["seq_lengths"]) >= 2  # packed, several batches
 
     collator = collate_blocks(BlockDiagonalCollator(MAX_LENGTH, tokenizer.pad_token_id, block_per_row=True))
     stream = RankLocalBlockStream(rows, tokenizer, MAX_LENGTH, rank=0, world_size=1)
@@ -139,3 +140,30 @@ def test_eval_scores_in_tiles_and_never_builds_the_full_logits(tmp_path):
     full_logits = length * vocab * 4
     assert metrics["eval_tokens"] == length - 1 and metrics["eval_loss"] > 0
     assert tracker.peak - weights < 0.75 * full_logits, (tracker.peak - weights) / full_logits
+
+
+def test_a_packed_eval_conversation_with_no_answer_in_its_first_block_is_left_out_and_an_eval_set_of_them_refused():
+    # The tiny tools recipe held out 3 tool conversations whose answers start past token 1,024 (the schemas come
+    # first): eval loss was 0 / 0 = nan at every eval, and the run went on.
+    tokenizer = tokenizer_of("llama")
+    short = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    long = {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "Done."}]}
+    (short_ids,) = tokenize_conversations(tokenizer, [short["messages"]], None)["input_ids"]
+    assert len(short_ids) < 128 < len(tokenize_conversations(tokenizer, [long["messages"]], None)["input_ids"][0])
+
+    blocks, left_out = eval_blocks(Dataset.from_list([long, short]), tokenizer, 128)
+    assert left_out == 1 and blocks["seq_lengths"] == [[len(short_ids)]]
+    assert tokenizer.decode([t for t in blocks[0]["labels"] if t != -100]) == "Hello.<|eot_id|>"
+    refuse_eval_without_answers(blocks, left_out, 128)  # something to score: no refusal
+    assert describe_eval(blocks, left_out, 128).startswith(
+        "[data] eval: 1 conversations packed whole into 1 blocks (1 left out: without an answer in their first 128 "
+        "tokens), ")
+
+    nothing, left_out = eval_blocks(Dataset.from_list([long]), tokenizer, 128)
+    assert (len(nothing), left_out) == (0, 1)
+    assert describe_eval(nothing, left_out, 128) == (
+        "[data] eval: 0 conversations packed whole into 0 blocks (1 left out: without an answer in their first 128 "
+        "tokens), 0 tokens, 0 supervised")
+    with pytest.raises(RecipeError, match=r"^The eval set has nothing to score: none of its 1 conversations has an "
+                                          r"answer in its first 128 tokens .*Raise max_length"):
+        refuse_eval_without_answers(nothing, left_out, 128)

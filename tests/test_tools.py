@@ -6,6 +6,7 @@ audit, and packing / mixing with other chat sources. The tool schemas and questi
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -292,6 +293,7 @@ def test_two_process_packed_run_on_tool_rows(tmp_path):
                "--save_steps", "100", "--report_to", "none", "--sample_prompts", "[]", "--output_dir", str(out))
     summary = read_summary(out)
     assert list(summary["losses"]) == ["1", "2", "3", "4"] and set(summary["eval_losses"]) == {"4"}
+    assert math.isfinite(summary["eval_losses"]["4"])  # at max_length 1024 no held-out answer was in a block: nan
     report = json.loads((out / "data_report.json").read_text())
     (source,) = report["sources"]
     assert (source["rows"], source["dropped"], source["eval_rows"]) == (100, {}, 3)  # test_split_size 0.05, by hash

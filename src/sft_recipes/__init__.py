@@ -4,6 +4,10 @@
 itself loads nothing heavy.
 """
 
+from sft_recipes.environment import drop_library_noise
+
+drop_library_noise()
+
 
 def __getattr__(name: str):
     if name == "RecipeError":  # what train() raises, for `except RecipeError` in a notebook

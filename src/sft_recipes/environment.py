@@ -1,4 +1,4 @@
-"""Process-wide defaults that must be in place before torch/huggingface_hub read them."""
+"""Process-wide defaults that must be in place before torch/huggingface_hub read them, and what library noise to drop."""
 
 from __future__ import annotations
 
@@ -12,26 +12,33 @@ def _is_torch_enum_register_constant_deprecation(record: logging.LogRecord) -> b
     return "is an Enum subclass and is now natively supported by torch.compile" not in record.getMessage()
 
 
-def _is_torchao_cuda_extension_load_failure(record: logging.LogRecord) -> bool:
+def _is_torchao_cuda_extension_load_failure_on_a_cpu_torch(record: logging.LogRecord) -> bool:
     # torchao loads its CUDA kernels (_C*.so) at import and logs each one that fails, as all do on a CPU torch.
+    import torch  # imported already: torchao imports it first
+
     message = record.getMessage()
-    return not (message.startswith("Failed to load ") and "torchao" in message and "_C" in message)
+    cpu_torch = torch.version.cuda is None and torch.version.hip is None
+    return not (cpu_torch and message.startswith("Failed to load ") and "torchao" in message and "_C" in message)
+
+
+def drop_library_noise() -> None:
+    """Two library warnings that say nothing a user can act on, dropped by their exact text (docs/traps.md), so
+    that a process's console starts with our own lines. Done when `sft_recipes` is imported, before any entry
+    point imports torchao (through peft); adding a filter twice adds it once."""
+    logging.getLogger("torch.utils._pytree").addFilter(_is_torch_enum_register_constant_deprecation)
+    logging.getLogger("torchao").addFilter(_is_torchao_cuda_extension_load_failure_on_a_cpu_torch)
 
 
 def set_runtime_defaults() -> None:
-    """On GPU machines: fast Hub downloads and a fragmentation-resistant CUDA allocator; everywhere: no noise.
+    """On GPU machines: fast Hub downloads and a fragmentation-resistant CUDA allocator.
 
     huggingface_hub 2.x downloads through hf-xet (installed from requirements.txt) and no longer
     reads HF_HUB_ENABLE_HF_TRANSFER: hf_transfer is dead weight. It reads its constants at import
     time, and the CUDA allocator reads PYTORCH_ALLOC_CONF at first use, so call this first thing.
-    A value the user set always wins. Also drops two library warnings that say nothing a user can act
-    on (above), by their exact text, so a run's console starts with our own lines (docs/traps.md).
+    A value the user set always wins.
     """
     import torch
 
-    logging.getLogger("torch.utils._pytree").addFilter(_is_torch_enum_register_constant_deprecation)
-    if torch.version.cuda is None and torch.version.hip is None:
-        logging.getLogger("torchao").addFilter(_is_torchao_cuda_extension_load_failure)
     if torch.cuda.is_available():
         os.environ.setdefault("HF_XET_HIGH_PERFORMANCE", "1")
         # Packed long blocks allocate many differently sized buffers (the Qwen seed sets this too).

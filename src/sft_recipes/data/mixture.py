@@ -197,6 +197,7 @@ class SourceData:
     report: MixtureReport
     raw_train: list[tuple[Dataset | IterableDataset, str]]  # each source's raw rows (image rows: checked), format
     raw_eval: list[tuple[Dataset, str]]  # the same for the eval rows
+    eval_left_out: int = 0  # packed eval conversations left out: no supervised token in their first block_length
 
 
 def _load(source: DatasetSource, streaming: bool, max_rows: int | None = None, mark_bad_rows: bool = False
@@ -262,9 +263,10 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
             if not packs:
                 entry.tokens, entry.supervised_tokens = token_counts(rows)
         train = concatenate_datasets(drawn).shuffle(seed=seed) if len(drawn) > 1 else drawn[0]
-    return SourceData(train, _eval_dataset(eval_parts, packs, tokenization, tokenizer, block_length,
-                                           images=has_images(data_args)), report,
-                      raw_train, [(rows, source.dataset_format) for source, rows in eval_parts])
+    eval_data, eval_left_out = _eval_dataset(eval_parts, packs, tokenization, tokenizer, block_length,
+                                             images=has_images(data_args))
+    return SourceData(train, eval_data, report, raw_train,
+                      [(rows, source.dataset_format) for source, rows in eval_parts], eval_left_out)
 
 
 def with_aligned_messages(parts: list[Dataset]) -> list[Dataset]:
@@ -335,15 +337,17 @@ def _interleaved(streams: list[IterableDataset], columns: list[str], fractions: 
 
 
 def eval_blocks(rows: Dataset, tokenizer, block_length: int, template_kwargs: dict[str, Any] | None = None
-                ) -> Dataset:
+                ) -> tuple[Dataset, int]:
     """Eval conversations packed whole (never split, so each keeps its full context) into
-    block-diagonal blocks by the training packer; a conversation longer than `block_length` keeps its
-    first tokens, as an unpacked eval row is truncated."""
+    block-diagonal blocks by the training packer, and how many were left out. A conversation longer than
+    `block_length` keeps its first tokens, as an unpacked eval row is truncated; one with no supervised
+    token among them (a long tool schema before the answer) would add nothing to the eval loss, and is
+    left out, as is one without an answer."""
     columns = tokenize_conversations(tokenizer, rows["messages"], None, **(template_kwargs or {}))
     examples = [{"input_ids": ids, "labels": [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask)]}
                 for ids, mask, reason in zip(columns["input_ids"], columns["assistant_masks"], columns["drop_reason"])
-                if reason == KEPT]
-    return Dataset.from_list(list(fill_blocks(examples, block_length, split_examples=False)))
+                if reason == KEPT and any(mask[:block_length])]
+    return Dataset.from_list(list(fill_blocks(examples, block_length, split_examples=False))), len(rows) - len(examples)
 
 
 def _eval_rows(rows: Dataset, source: DatasetSource) -> Dataset:
@@ -355,26 +359,44 @@ def _eval_rows(rows: Dataset, source: DatasetSource) -> Dataset:
 
 
 def _eval_dataset(parts: list[tuple[DatasetSource, Dataset]], packs: bool, tokenization: Tokenization, tokenizer,
-                  block_length: int | None, images: bool = False) -> Dataset | None:
-    """The eval rows as the run evaluates them; an image run's stay conversations with their images, which
-    the run packs with the model's image processor (`data/vision_eval.py`)."""
+                  block_length: int | None, images: bool = False) -> tuple[Dataset | None, int]:
+    """The eval rows as the run evaluates them, and how many packed ones were left out (`eval_blocks`); an
+    image run's stay conversations with their images, which the run packs with the model's image processor
+    (`data/vision_eval.py`)."""
     if not parts:
-        return None
+        return None, 0
     if packs and images:
-        return concatenate_datasets(with_aligned_messages([rows for _, rows in parts]))
+        return concatenate_datasets(with_aligned_messages([rows for _, rows in parts])), 0
     if packs:
         messages = concatenate_datasets(with_aligned_messages([rows for _, rows in parts]))
         return eval_blocks(messages, tokenizer, block_length, tokenization.template_kwargs)
     # Eval rows are not training rows: their drops go to a report of their own, not to max_dropped_share.
     return concatenate_datasets([FORMATS[source.dataset_format].to_tokens(rows, tokenizer, tokenization,
                                                                           DataReport(source=source.label))
-                                 for source, rows in parts])
+                                 for source, rows in parts]), 0
 
 
-def describe_eval(dataset: Dataset | None) -> str:
+def describe_eval(dataset: Dataset | None, left_out: int = 0, block_length: int | None = None) -> str:
     if dataset is None:
         return "[data] eval: none (set test_split_size or eval_datasets)"
-    tokens, supervised = token_counts(dataset)
-    what = (f"{sum(map(len, dataset['seq_lengths'])):,} conversations packed whole into {len(dataset):,} blocks"
-            if "seq_lengths" in dataset.column_names else f"{len(dataset):,} rows")
+    tokens, supervised = token_counts(dataset) if len(dataset) else (0, 0)
+    if "seq_lengths" in dataset.column_names or left_out:  # packed (none left: no column)
+        conversations = sum(map(len, dataset["seq_lengths"])) if len(dataset) else 0
+        what = f"{conversations:,} conversations packed whole into {len(dataset):,} blocks"
+    else:
+        what = f"{len(dataset):,} rows"
+    if left_out:
+        what += f" ({left_out:,} left out: without an answer in their first {block_length:,} tokens)"
     return f"[data] eval: {what}, {tokens:,} tokens, {supervised:,} supervised"
+
+
+def refuse_eval_without_answers(dataset: Dataset | None, left_out: int, block_length: int | None) -> None:
+    """An eval set with no supervised token has no eval loss (0 / 0: `nan` at every eval); refused before
+    training, on every rank, with what to change."""
+    if dataset is None or (len(dataset) and token_counts(dataset)[1]):
+        return
+    cause = (f"none of its {left_out:,} conversations has an answer in its first {block_length:,} tokens "
+             "(max_length: a packed eval conversation is evaluated whole from its start, never split)"
+             if left_out else "its rows have no supervised token")
+    raise RecipeError(f"The eval set has nothing to score: {cause}. Raise max_length, give eval_datasets with "
+                      "shorter conversations, or set eval_strategy: no.")

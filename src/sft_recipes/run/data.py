@@ -13,7 +13,7 @@ from sft_recipes.data.audit import audit_dataset, format_report
 from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
 from sft_recipes.data.collator import BlockDiagonalCollator
 from sft_recipes.data.formats import CHAT_FORMATS
-from sft_recipes.data.mixture import SourceData, build_source_data, describe_eval
+from sft_recipes.data.mixture import SourceData, build_source_data, describe_eval, refuse_eval_without_answers
 from sft_recipes.data.passes import PackedPasses, plan_passes
 from sft_recipes.data.report import DataReport, MixtureReport
 from sft_recipes.data.sources import load_checked_dataset
@@ -91,8 +91,11 @@ def build_data(run: Run, tokenizer) -> RunData:
                                                 data_args.max_dropped_share)
     if run.is_main:
         print(report.format(), flush=True)
-        print(eval_data.describe() if isinstance(eval_data, VisionEvalBlocks) else describe_eval(eval_data), flush=True)
+        print(eval_data.describe() if isinstance(eval_data, VisionEvalBlocks) else
+              describe_eval(eval_data, sources.eval_left_out, training.max_length), flush=True)
     report.enforce(data_args.max_dropped_share)
+    if not isinstance(eval_data, VisionEvalBlocks):
+        refuse_eval_without_answers(eval_data, sources.eval_left_out, training.max_length)
     passes = None
     if block_stream is not None and (not report.streamed or training.max_steps < 0):  # finite, or asked for passes
         passes = plan_passes(block_stream, training.per_device_train_batch_size, training.gradient_accumulation_steps,
