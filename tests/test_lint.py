@@ -93,6 +93,10 @@ CASES = {
         {}, "leave average_tokens_across_devices at true"),
     "activation_offloading_without_accelerator": (
         {"activation_offloading": True}, {}, {}, "set activation_offloading: false on CPU"),
+    "eval_strategy_without_eval_rows": (
+        {"eval_strategy": "steps", "eval_steps": 10}, {}, {},
+        "eval_strategy: steps evaluates, but the recipe holds out no eval rows: set test_split_size (e.g. 0.05) or "
+        "eval_datasets, or eval_strategy: no"),
     "liger_kernels_we_do_not_offer": (
         {"use_liger_kernel": True}, {}, {},
         "use_liger_kernel set (recipe): this project does not offer Liger's Triton kernels (liger-kernel is not in its "
@@ -116,7 +120,8 @@ def test_rule_stays_quiet_on_a_sound_recipe(rule, tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # as fsdp2_cpu.yaml launches; the recipe is fp32 too
     sound = {"pack_blocks": True, "global_batch_size": 128, "fsdp_wrap_classes": ["Qwen3_5DecoderLayer"],
-             "sequence_parallel_size": 2, "attn_implementation": "sdpa", "max_length": 1024}
+             "sequence_parallel_size": 2, "attn_implementation": "sdpa", "max_length": 1024,
+             "eval_strategy": "steps", "eval_steps": 10, "test_split_size": 0.05}
     lint(recipe(tmp_path, **sound), world_size=16, model_config=tiny_config("qwen3_5"))  # registered hybrid: fine
 
 

@@ -303,6 +303,15 @@ def fp8_this_machine_cannot_train(recipe: Recipe, ctx: LintContext) -> str | Non
     return fp8_problem(recipe.model.use_peft) if recipe.training.fp8 else None
 
 
+def eval_strategy_without_eval_rows(recipe: Recipe, ctx: LintContext) -> str | None:
+    """transformers refuses it in the Trainer, after the model is loaded, with a traceback on every rank."""
+    strategy = str(getattr(recipe.training.eval_strategy, "value", recipe.training.eval_strategy))
+    if strategy != "no" and not recipe.data.test_split_size and not recipe.data.eval_datasets:
+        return (f"eval_strategy: {strategy} evaluates, but the recipe holds out no eval rows: set test_split_size "
+                "(e.g. 0.05) or eval_datasets, or eval_strategy: no")
+    return None
+
+
 def benchmark_tasks_that_cannot_be_scored(recipe: Recipe, ctx: LintContext) -> str | None:
     """eval_tasks read now (task names, task files, metrics, the gate's tasks), not after training."""
     training = recipe.training
@@ -344,6 +353,7 @@ RULES = (
     torch_compile_settings_we_do_not_run,
     liger_kernels_we_do_not_offer,
     fp8_this_machine_cannot_train,
+    eval_strategy_without_eval_rows,
     benchmark_tasks_that_cannot_be_scored,
 )
 

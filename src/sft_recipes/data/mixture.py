@@ -397,6 +397,6 @@ def refuse_eval_without_answers(dataset: Dataset | None, left_out: int, block_le
         return
     cause = (f"none of its {left_out:,} conversations has an answer in its first {block_length:,} tokens "
              "(max_length: a packed eval conversation is evaluated whole from its start, never split)"
-             if left_out else "its rows have no supervised token")
+             if left_out else f"no eval row keeps a supervised token within max_length={block_length}")
     raise RecipeError(f"The eval set has nothing to score: {cause}. Raise max_length, give eval_datasets with "
-                      "shorter conversations, or set eval_strategy: no.")
+                      "shorter conversations, or evaluate nothing (test_split_size: null, no eval_datasets).")
