@@ -43,7 +43,7 @@ class Training:
 
     def run(self) -> None:
         """Train, from `resumed_from` when the run continues a checkpoint (chosen by `start_run`); with eval data,
-        end on an eval loss of the final weights (unless the last step was just evaluated, or eval_strategy is no)."""
+        end on an eval loss of the final weights (unless the last step was just evaluated; eval_strategy: no too)."""
         if self.resumed_from:
             self.summary.world_size_at_checkpoint = log_world_size_change(self.resumed_from, self.trainer.args)
         start = time.perf_counter()
