@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -155,3 +156,20 @@ def test_audit_of_a_non_chat_recipe_is_one_error_line_naming_the_fix():
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert line.startswith("error: --audit-data shows chat assistant masks") and "dataset_format: alpaca" in line
     assert "use it with a chat recipe" in line
+
+
+def test_audit_says_first_how_many_rows_were_read_and_dropped_before_the_conversations(tmp_path):
+    # A row dropped as it is read never reaches the audited conversations: the audit said "conversations: 2, dropped 0"
+    # for a file of 3 rows, one of them bad.
+    rows = [{"messages": GREETING}, {"messages": TWO_TURNS},
+            {"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "Five."}]}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = run_command([sys.executable, "scripts/sft.py", "recipes/examples/tiny_llama_mixture.yaml", "--audit-data",
+                          "3", "--datasets", "null", "--dataset_name", str(data), "--dataset_format", "messages"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    read, first_bad, example = result.stdout.splitlines()[:3]
+    assert read == f"[data] {data}: 3 rows read, kept 2, dropped 1 (33.33%: not_a_string 1), truncated 0"
+    assert first_bad.startswith("  first not_a_string row, line 3: ")
+    assert example.startswith("=== example 0: kept")
+    assert "conversations: 2, kept 2, dropped 0 (none)" in result.stdout

@@ -131,8 +131,10 @@ def audit_data(run: Run, tokenizer, n: int) -> str:
     if run.recipe.data.datasets:
         raise RecipeError("--audit-data reads one dataset: audit each chat source of the mixture with "
                           "--datasets null --dataset_name PATH --dataset_format FORMAT.")
-    rows = run.data_format.rows_to_train(load_checked_dataset(run.recipe.data)[0], run.recipe.data.train_turns)  # alpaca_chat: as conversations
+    read, checked = load_checked_dataset(run.recipe.data)
+    rows = run.data_format.rows_to_train(read, run.recipe.data.train_turns)  # alpaca_chat: as conversations
     tokenization = run.tokenization
     run.data_format.check_tools_render(rows, tokenizer, tokenization)
-    return format_report(audit_dataset(rows, tokenizer, n, max_length=tokenization.max_length,
-                                       **tokenization.template_kwargs))
+    audited = audit_dataset(rows, tokenizer, n, max_length=tokenization.max_length, **tokenization.template_kwargs)
+    # The rows dropped as they were read never reach the audit's conversations: said first, as a run says them
+    return checked.format() + "\n" + format_report(audited)
