@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import logging
 import re
 import sys
 import time
@@ -179,25 +178,11 @@ def check_vlm(results: dict) -> None:
     results["vlm_two_rows"] = compare(packed, (separate_logits, grads, loss), places)
 
 
-class _Messages(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def check_preflights(results: dict) -> None:
     """The packing gates on the kernel path: the text probe and the image + text probe (the VLM class)."""
-    handler = _Messages()
-    logger = logging.getLogger("sft_recipes.architectures.preflight")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    check_packing_leak(twin_config(), "sdpa")
-    check_image_packing_leak(twin_config())
-    results["preflight_messages"] = handler.messages
-    results["preflight_differences"] = [float(re.search(r"= (\S+)$", m).group(1)) for m in handler.messages]
+    messages = [check_packing_leak(twin_config(), "sdpa"), check_image_packing_leak(twin_config())]
+    results["preflight_messages"] = messages
+    results["preflight_differences"] = [float(re.search(r"= (\S+)$", m).group(1)) for m in messages]
 
 
 def main() -> None:

@@ -166,6 +166,7 @@ def test_lora_on_experts_trains_under_fsdp2(runs):
     log = runs["run"].stderr
     assert "FSDP layout: all 24 LoRA parameters are sharded with their GptOssDecoderLayer" in log
     assert "model.layers.*.mlp.experts.gate_up_proj  r=8   alpha=32   x2 (4 experts" in log
+    assert log.count("LoRA applied:") == 1  # by the main process: the table was printed by every rank
     assert "did not match any targeted module" not in log  # peft's false rank_pattern warning
 
 

@@ -40,7 +40,7 @@ def test_packed_qwen3_5_trains_with_falling_loss_and_stops_when_data_ends(packed
     out, result = packed_run
     summary = read_summary(out)
     assert summary["distributed"] == "FSDP2 over 2 process(es) on cpu"
-    assert "packing preflight passed for qwen3_5" in result.stderr
+    assert result.stderr.count("packing preflight passed for qwen3_5") == 1  # once: by the main process
     losses = list(summary["losses"].values())
     assert losses[-1] < losses[0] - 1.5, losses
     assert 10 < summary["steps"] < 100000  # one pass over the sample data, not max_steps

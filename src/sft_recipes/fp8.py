@@ -18,11 +18,7 @@ scalar type").
 
 from __future__ import annotations
 
-import logging
-
 import torch
-
-logger = logging.getLogger("sft")
 
 TORCHAO = "torchao==0.18.0"
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89), Hopper (sm_90), Blackwell
@@ -70,10 +66,19 @@ def convert_to_fp8_training(model: torch.nn.Module, fsdp: bool) -> list[str]:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     names = set(fp8_linear_names(model))
-    on_gpu = torch.cuda.is_available()
-    config = Float8LinearConfig(emulate=not on_gpu, enable_fsdp_float8_all_gather=fsdp and on_gpu)
+    config = Float8LinearConfig(emulate=not torch.cuda.is_available(), enable_fsdp_float8_all_gather=_gathers_fp8(fsdp))
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn in names)
-    logger.info("[fp8] %d Linear layers of the decoder train in float8 (torchao, %s%s); embeddings, LM head and "
-                "routers stay in the compute dtype", len(names), "real float8 matmuls" if on_gpu else "emulated on CPU",
-                ", FSDP2 all-gathers their weights in float8" if config.enable_fsdp_float8_all_gather else "")
     return sorted(names)
+
+
+def describe_fp8(converted: list[str], fsdp: bool) -> str:
+    """The run's `[fp8]` line for the layers `convert_to_fp8_training` converted."""
+    on_gpu = torch.cuda.is_available()
+    return (f"[fp8] {len(converted)} Linear layers of the decoder train in float8 (torchao, "
+            f"{'real float8 matmuls' if on_gpu else 'emulated on CPU'}"
+            f"{', FSDP2 all-gathers their weights in float8' if _gathers_fp8(fsdp) else ''}); embeddings, LM head "
+            "and routers stay in the compute dtype")
+
+
+def _gathers_fp8(fsdp: bool) -> bool:
+    return fsdp and torch.cuda.is_available()  # gloo has no float8 collectives (docs/precision.md)

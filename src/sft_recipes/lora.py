@@ -10,7 +10,6 @@ do not trust either: after `get_peft_model` we walk the LoRA layers, read the ra
 
 from __future__ import annotations
 
-import logging
 import re
 import warnings
 from collections import defaultdict
@@ -20,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 ADAPTER_NAME = "default"
 # What peft 0.21.2 (tuners_utils.BaseTuner.inject_adapter) warns when a rank/alpha pattern key
@@ -90,8 +87,8 @@ def build_lora_config(model_args):
 
 
 def apply_lora(model: torch.nn.Module, config, seed: int) -> torch.nn.Module:
-    """Wrap `model` with LoRA (`config`: a peft LoraConfig, `build_lora_config`), check the ranks really
-    applied, log them; returns the PeftModel.
+    """Wrap `model` with LoRA (`config`: a peft LoraConfig, `build_lora_config`) and check the ranks really
+    applied; returns the PeftModel (`describe_lora` is what the run logs of it).
 
     The adapter initialisation is drawn from `seed` (not from the global RNG), so every rank builds
     the same adapter and a test can rebuild the untrained one.
@@ -102,10 +99,13 @@ def apply_lora(model: torch.nn.Module, config, seed: int) -> torch.nn.Module:
     with without_false_pattern_warning(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
-    applied = applied_lora(peft_model)
-    check_applied_ranks(applied, config)
-    logger.info("LoRA applied:\n%s", format_lora_table(applied, peft_model))
+    check_applied_ranks(applied_lora(peft_model), config)
     return peft_model
+
+
+def describe_lora(peft_model: torch.nn.Module) -> str:
+    """`LoRA applied:` and the table of the ranks really applied, per target."""
+    return "LoRA applied:\n" + format_lora_table(applied_lora(peft_model), peft_model)
 
 
 def load_adapter(base: torch.nn.Module, adapter_dir: str | Path) -> torch.nn.Module:

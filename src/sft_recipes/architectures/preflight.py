@@ -8,7 +8,6 @@ packed in a batch of two rows against the same examples run alone.
 
 from __future__ import annotations
 
-import logging
 
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
@@ -17,7 +16,6 @@ from sft_recipes.data.collator import BlockDiagonalCollator
 from sft_recipes.architectures.registry import PACKING_QUIRKS, prepare_for_packing
 from sft_recipes.errors import RecipeError
 
-logger = logging.getLogger(__name__)
 
 # Lengths of the probe examples: longer than the conv width and the shrunk sliding window, so
 # a bleed at either would show, and unequal, so no boundary lines up by accident.
@@ -47,8 +45,9 @@ _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 def check_packing_leak(
     config: PretrainedConfig, attn_implementation: str | None, tolerance: float = DEFAULT_TOLERANCE
-) -> None:
-    """Raise ValueError, naming the fix, if packed training of this architecture would leak.
+) -> str:
+    """Raise ValueError, naming the fix, if packed training of this architecture would leak; else the line
+    that says it passed.
 
     ``attn_implementation`` is the one training uses. The check runs it when it is ``eager`` or
     ``sdpa``; flash-attention and hub kernels need half precision on a GPU and flex attention
@@ -78,10 +77,8 @@ def check_packing_leak(
             f"{difference:.2e} (tolerance {tolerance:.0e}). Turn packing off for this recipe, or add a fix for "
             f"{model.config.model_type!r} to sft_recipes.architectures.registry.PACKING_QUIRKS until this check passes."
         )
-    logger.info(
-        "packing preflight passed for %s (attention %s, requested %s): max |packed - separate| = %.1e",
-        config.model_type, attention, attn_implementation, difference,
-    )
+    return (f"packing preflight passed for {config.model_type} (attention {attention}, requested "
+            f"{attn_implementation}): max |packed - separate| = {difference:.1e}")
 
 
 def packed_vs_separate_difference(model: torch.nn.Module, lengths: tuple[int, ...]) -> float:
@@ -152,8 +149,9 @@ PROBE_IMAGE_GRIDS = (((1, 4, 6),), (), ((1, 4, 4), (1, 2, 2)))
 _TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, num_position_embeddings=64)
 
 
-def check_image_packing_leak(config: PretrainedConfig, tolerance: float = DEFAULT_TOLERANCE) -> None:
-    """Raise RecipeError if packed image + text blocks of this VLM would differ from their examples run alone.
+def check_image_packing_leak(config: PretrainedConfig, tolerance: float = DEFAULT_TOLERANCE) -> str:
+    """Raise RecipeError if packed image + text blocks of this VLM would differ from their examples run alone;
+    else the line that says it passed.
 
     The recipe's config shrunk (text tower as for text packing, a tiny vision tower of the same kind), random
     weights with leaks exposed, prepared as training prepares it; the probe's examples are collated by the
@@ -183,7 +181,7 @@ def check_image_packing_leak(config: PretrainedConfig, tolerance: float = DEFAUL
             "pack_blocks off for this image recipe, or fix sft_recipes.data.vision (positions, image order) and "
             "architectures.qwen3_5.prepare_for_image_packing until this check passes."
         )
-    logger.info("image packing preflight passed for %s: max |packed - separate| = %.1e", config.model_type, difference)
+    return f"image packing preflight passed for {config.model_type}: max |packed - separate| = {difference:.1e}"
 
 
 def tiny_vlm_config(config: PretrainedConfig) -> PretrainedConfig:
