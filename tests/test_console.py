@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO_ROOT, run_command
 from sft_recipes.errors import RecipeError, forget_refusal_hooks, on_refusal, one_line_refusals
 from sft_recipes.reporting.console import _Tee, _TrainLog, step_line
@@ -98,6 +99,7 @@ def test_a_train_log_on_a_full_disk_leaves_the_refusal_on_the_console_and_exit_2
 
 
 
+@pytest.mark.slow  # two fresh interpreters import torch and torchao: ~10 s on 2 cores
 def test_two_library_warnings_nobody_can_act_on_are_dropped_from_every_process():
     # torchao (the test requirements; a user's FP8 venv) logs, in every process that imports it: each CUDA extension
     # that cannot load on a CPU torch, and torch's deprecation of its register_constant() calls on Enum classes.
