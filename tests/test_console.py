@@ -98,7 +98,6 @@ def test_a_train_log_on_a_full_disk_leaves_the_refusal_on_the_console_and_exit_2
     assert unraisable == []
 
 
-
 @pytest.mark.slow  # two fresh interpreters import torch and torchao: ~10 s on 2 cores
 def test_two_library_warnings_nobody_can_act_on_are_dropped_from_every_process():
     # torchao (the test requirements; a user's FP8 venv) logs, in every process that imports it: each CUDA extension

@@ -64,7 +64,8 @@ def test_packed_eval_loss_equals_the_token_mean_of_the_examples_run_alone(model_
     prepare_for_packing(model)
     rows = Dataset.from_list(conversations(6))  # llama: 5 blocks, qwen3_5: 3, each with a 2-conversation block
     blocks, left_out = eval_blocks(rows, tokenizer, MAX_LENGTH)
-    assert left_out == 0 and len(blocks) > 2 and max(len(lengths) for lengths in blocks["seq_lengths"]) >= 2  # packed, several batches
+    assert left_out == 0  # every conversation has an answer in its first MAX_LENGTH tokens
+    assert len(blocks) > 2 and max(len(lengths) for lengths in blocks["seq_lengths"]) >= 2  # packed, several batches
 
     collator = collate_blocks(BlockDiagonalCollator(MAX_LENGTH, tokenizer.pad_token_id, block_per_row=True))
     stream = RankLocalBlockStream(rows, tokenizer, MAX_LENGTH, rank=0, world_size=1)
@@ -167,3 +168,7 @@ def test_a_packed_eval_conversation_with_no_answer_in_its_first_block_is_left_ou
     with pytest.raises(RecipeError, match=r"^The eval set has nothing to score: none of its 1 conversations has an "
                                           r"answer in its first 128 tokens .*Raise max_length"):
         refuse_eval_without_answers(nothing, left_out, 128)
+    # Unpacked eval rows all dropped as they were tokenized (their own report): the same refusal, without a count
+    with pytest.raises(RecipeError, match=r"^The eval set has nothing to score: no eval row keeps a supervised token "
+                                          r"within max_length=1024\. Raise max_length"):
+        refuse_eval_without_answers(Dataset.from_list([]), 0, 1024)

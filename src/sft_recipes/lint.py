@@ -305,10 +305,10 @@ def fp8_this_machine_cannot_train(recipe: Recipe, ctx: LintContext) -> str | Non
 
 def eval_strategy_without_eval_rows(recipe: Recipe, ctx: LintContext) -> str | None:
     """transformers refuses it in the Trainer, after the model is loaded, with a traceback on every rank."""
-    strategy = str(getattr(recipe.training.eval_strategy, "value", recipe.training.eval_strategy))
+    strategy = recipe.training.eval_strategy  # transformers' IntervalStrategy, a str enum: == "no" compares
     if strategy != "no" and not recipe.data.test_split_size and not recipe.data.eval_datasets:
-        return (f"eval_strategy: {strategy} evaluates, but the recipe holds out no eval rows: set test_split_size "
-                "(e.g. 0.05) or eval_datasets, or eval_strategy: no")
+        return (f"eval_strategy: {strategy.value} evaluates, but the recipe holds out no eval rows: set "
+                "test_split_size (e.g. 0.05) or eval_datasets, or eval_strategy: no")
     return None
 
 

@@ -8,14 +8,12 @@ packed in a batch of two rows against the same examples run alone.
 
 from __future__ import annotations
 
-
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from sft_recipes.data.collator import BlockDiagonalCollator
 from sft_recipes.architectures.registry import PACKING_QUIRKS, prepare_for_packing
 from sft_recipes.errors import RecipeError
-
 
 # Lengths of the probe examples: longer than the conv width and the shrunk sliding window, so
 # a bleed at either would show, and unequal, so no boundary lines up by accident.

@@ -347,7 +347,10 @@ def eval_blocks(rows: Dataset, tokenizer, block_length: int, template_kwargs: di
     examples = [{"input_ids": ids, "labels": [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask)]}
                 for ids, mask, reason in zip(columns["input_ids"], columns["assistant_masks"], columns["drop_reason"])
                 if reason == KEPT and any(mask[:block_length])]
-    return Dataset.from_list(list(fill_blocks(examples, block_length, split_examples=False))), len(rows) - len(examples)
+    blocks = list(fill_blocks(examples, block_length, split_examples=False))
+    # None left: still the block columns (`Dataset.from_list([])` has none), so the run describes and refuses it
+    packed = Dataset.from_list(blocks) if blocks else Dataset.from_dict({"input_ids": [], "labels": [], "seq_lengths": []})
+    return packed, len(rows) - len(examples)
 
 
 def _eval_rows(rows: Dataset, source: DatasetSource) -> Dataset:
@@ -379,12 +382,9 @@ def _eval_dataset(parts: list[tuple[DatasetSource, Dataset]], packs: bool, token
 def describe_eval(dataset: Dataset | None, left_out: int = 0, block_length: int | None = None) -> str:
     if dataset is None:
         return "[data] eval: none (set test_split_size or eval_datasets)"
-    tokens, supervised = token_counts(dataset) if len(dataset) else (0, 0)
-    if "seq_lengths" in dataset.column_names or left_out:  # packed (none left: no column)
-        conversations = sum(map(len, dataset["seq_lengths"])) if len(dataset) else 0
-        what = f"{conversations:,} conversations packed whole into {len(dataset):,} blocks"
-    else:
-        what = f"{len(dataset):,} rows"
+    tokens, supervised = token_counts(dataset)
+    what = (f"{sum(map(len, dataset['seq_lengths'])):,} conversations packed whole into {len(dataset):,} blocks"
+            if "seq_lengths" in dataset.column_names else f"{len(dataset):,} rows")
     if left_out:
         what += f" ({left_out:,} left out: without an answer in their first {block_length:,} tokens)"
     return f"[data] eval: {what}, {tokens:,} tokens, {supervised:,} supervised"
@@ -393,7 +393,7 @@ def describe_eval(dataset: Dataset | None, left_out: int = 0, block_length: int 
 def refuse_eval_without_answers(dataset: Dataset | None, left_out: int, block_length: int | None) -> None:
     """An eval set with no supervised token has no eval loss (0 / 0: `nan` at every eval); refused before
     training, on every rank, with what to change."""
-    if dataset is None or (len(dataset) and token_counts(dataset)[1]):
+    if dataset is None or token_counts(dataset)[1]:
         return
     cause = (f"none of its {left_out:,} conversations has an answer in its first {block_length:,} tokens "
              "(max_length: a packed eval conversation is evaluated whole from its start, never split)"
