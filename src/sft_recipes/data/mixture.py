@@ -399,4 +399,4 @@ def refuse_eval_without_answers(dataset: Dataset | None, left_out: int, block_le
              "(max_length: a packed eval conversation is evaluated whole from its start, never split)"
              if left_out else f"no eval row keeps a supervised token within max_length={block_length}")
     raise RecipeError(f"The eval set has nothing to score: {cause}. Raise max_length, give eval_datasets with "
-                      "shorter conversations, or evaluate nothing (test_split_size: null, no eval_datasets).")
+                      "shorter conversations, or evaluate nothing (test_split_size: null and eval_strategy: no).")
