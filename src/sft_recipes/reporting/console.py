@@ -3,7 +3,9 @@
 - `quiet_other_ranks`: ranks > 0 draw no progress bars (datasets' map -- our "Tokenizing ..." and
   TRL's truncation --, transformers' weight loading) and log transformers/datasets warnings only:
   with N ranks the console otherwise shows every bar N times. Their own INFO lines (`[data] rank r
-  trained on ...`) stay.
+  trained on ...`) and warnings stay, but for one that every rank meets alike: transformers'
+  "`causal_conv1d_fn` is falling back to its reference PyTorch implementation" (a Qwen3.5 run without
+  the causal-conv1d kernel) is said by rank 0 alone, not 16 times on 2 nodes of 8 GPUs.
 - `step_line`: the log of a step as one line -- `step 20/60 | loss 1.2345 | eval loss 1.3010 (step 10)
   | lr 2.00e-05 | grad norm 0.84 | 1,854 tokens/s/device | MFU 41.2% | peak 61.3 GiB | ETA 0:04:10`
   -- instead of transformers' dict of quoted strings; an eval prints `step 10/60 | eval loss 1.3010`.
@@ -30,6 +32,7 @@ from pathlib import Path
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from sft_recipes.errors import forget_refusal_hooks, on_refusal
+from sft_recipes.reporting.replies import KERNEL_FALLBACK, KERNELS_LOGGER
 
 TRAIN_LOG = "train.log"
 
@@ -49,6 +52,7 @@ def quiet_other_ranks(rank: int | None = None) -> None:
     datasets.logging.set_verbosity_warning()
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_warning()
+    logging.getLogger(KERNELS_LOGGER).addFilter(lambda record: KERNEL_FALLBACK not in record.getMessage())
 
 
 # ── One line per logging step ────────────────────────────────────────────────────────────────────
