@@ -271,6 +271,10 @@ def test_map_style_packed_mixture_mixes_chat_formats_and_packs_eval_rows_whole(t
     segments = sum(len(lengths) for lengths in data.eval["seq_lengths"])
     assert segments == chat.eval_rows + reasoning.eval_rows
     assert all(sum(lengths) <= 256 for lengths in data.eval["seq_lengths"])
+    # What the report says was read but not trained follows how the blocks are packed (`MixtureReport.format`)
+    assert data.report.packing_window is None  # split_examples: the last conversations' parts past the last block
+    whole = build_source_data(load_recipe(path, {"split_examples": False, "packing_window": 64}), tokenizer)
+    assert whole.report.packing_window == 64  # whole conversations: those waiting in the packing window
 
 
 def test_streamed_alpaca_and_text_are_tokenized_as_read_and_rows_cut_to_nothing_are_counted(tmp_path, monkeypatch):
@@ -321,3 +325,15 @@ def test_a_packed_runs_report_says_how_many_conversations_the_steps_read_of_the_
     summary = report.as_dict()
     assert (summary["tokens"], summary["supervised_tokens"], summary["sources"][0]["conversations_read"],
             summary["supervised_tokens_in_trained_blocks"]) == (6200, 3462, 59, 3441)
+
+    # Whole conversations (split_examples: false; the vision twin's 3 steps): the packer read ahead into its window,
+    # so most of what was read waits there, not in a part of the last conversation.
+    whole = MixtureReport(sources=[SourceReport(DataReport("shapes.jsonl", rows=60), available_rows=60,
+                                                mixture_rows=60)], packed=True, packing_window=1024)
+    read = SourceCounts(conversations=60, tokens=3085, supervised_tokens=1092)
+    whole.count_stream(StreamStats(conversations=60, supervised_tokens=262, sources={0: read}), stream_ended=False,
+                       max_dropped_share=0.05)
+    assert whole.format().splitlines()[-1] == (
+        "[data] trained: 262 supervised tokens in the blocks the steps ran (as `all ranks trained on` says); the other "
+        "830 of the 1,092 read were in conversations still waiting to be packed when the steps ended (whole "
+        "conversations are packed best-fit among up to packing_window=1,024 read ahead)")

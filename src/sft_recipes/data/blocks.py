@@ -273,7 +273,7 @@ class StreamStats:
         dropped = ", ".join(f"{count} {reason}" for reason, count in sorted(self.dropped.items())) or "none"
         return (f"{self.conversations:,} conversations read (dropped: {dropped}), {self.blocks:,} blocks, "
                 f"packing efficiency {self.packing_efficiency:.2%}, {self.supervised_tokens:,} supervised tokens in those "
-                "blocks (the data report counts each conversation whole when read, the last one read included)")
+                "blocks (the data report counts each conversation read whole, also what no trained block holds)")
 
 
 def reader_index(rank: int, ranks: int, worker: int) -> int:

@@ -215,7 +215,8 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
     packs = data_args.pack_blocks
     marked = packs and streaming  # bad streamed rows stay in the stream, flagged, for its readers to count
     turns = getattr(data_args, "train_turns", "all")
-    report = MixtureReport(streamed=streaming, packed=packs)
+    report = MixtureReport(streamed=streaming, packed=packs,
+                           packing_window=None if not packs or data_args.split_examples else data_args.packing_window)
     train_parts, eval_parts, raw_train = [], [], []
     for index, source in enumerate(training_sources(data_args)):
         fmt = FORMATS[source.dataset_format]

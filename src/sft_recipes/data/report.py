@@ -186,8 +186,10 @@ class MixtureReport:
     packed: bool = False  # read by the packed block stream: tokens counted while training
     # packed: the supervised tokens inside the blocks the steps trained, all ranks (the sum of the ranks'
     # `[data] ... trained on` lines). The sources' counts take each conversation whole when read, so they
-    # also hold the part of the last conversations that fell past the last block trained.
+    # also hold what no trained block holds: the part of the last conversations past the last block
+    # (split_examples), or the conversations still waiting in the packing window (whole conversations).
     supervised_tokens_in_trained_blocks: int | None = None
+    packing_window: int | None = None  # packed whole (split_examples: false): how many may wait to be packed
 
     def _share(self, source: SourceReport) -> float | None:
         counted = [s.supervised_tokens for s in self.sources]
@@ -261,10 +263,12 @@ class MixtureReport:
             lines.append(f"  {drawn}; eval rows {source.eval_rows:,}")
         if self.supervised_tokens_in_trained_blocks is not None:
             read = sum(source.supervised_tokens or 0 for source in self.sources)
+            untrained = ("the last conversations' parts past the last block" if self.packing_window is None else
+                         "conversations still waiting to be packed when the steps ended (whole conversations are "
+                         f"packed best-fit among up to packing_window={self.packing_window:,} read ahead)")
             lines.append(f"[data] trained: {self.supervised_tokens_in_trained_blocks:,} supervised tokens in the "
                          "blocks the steps ran (as `all ranks trained on` says); the other "
-                         f"{read - self.supervised_tokens_in_trained_blocks:,} of the {read:,} read were in the last "
-                         "conversations' parts past the last block")
+                         f"{read - self.supervised_tokens_in_trained_blocks:,} of the {read:,} read were in {untrained}")
         return "\n".join(lines)
 
     def enforce(self, max_dropped_share: float) -> None:
