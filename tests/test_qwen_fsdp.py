@@ -41,8 +41,9 @@ def test_packed_qwen3_5_trains_with_falling_loss_and_stops_when_data_ends(packed
     summary = read_summary(out)
     assert summary["distributed"] == "FSDP2 over 2 process(es) on cpu"
     assert result.stderr.count("packing preflight passed for qwen3_5") == 1  # once: by the main process
-    # transformers' advice to install causal-conv1d, which every rank meets alike: said by the main process only
-    assert result.stderr.count("`causal_conv1d_fn` is falling back to its reference PyTorch implementation") == 1
+    # transformers' advice to install causal-conv1d, once per kernel on every rank: one line, by the main process
+    assert "falling back to its reference PyTorch implementation" not in result.stderr
+    assert result.stderr.count("[kernels] causal_conv1d is not installed (GPU kernels)") == 1
     losses = list(summary["losses"].values())
     assert losses[-1] < losses[0] - 1.5, losses
     assert 10 < summary["steps"] < 100000  # one pass over the sample data, not max_steps

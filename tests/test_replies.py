@@ -51,8 +51,11 @@ def test_kernel_fall_backs_are_one_line(capsys):
     one_line = one_kernel_fallback_line()
     logger.addHandler(records)
     try:
-        for kernel in ("causal_conv1d_fn", "chunk_gated_delta_rule", "causal_conv1d_update"):
-            logger.warning("`%s` is falling back to its reference PyTorch implementation because ...", kernel)
+        for kernel, package in (("causal_conv1d_fn", "causal_conv1d"), ("chunk_gated_delta_rule", "flash-linear-attention"),
+                                ("causal_conv1d_update", "causal_conv1d")):  # transformers 5.23's words
+            logger.warning("`%s` is falling back to its reference PyTorch implementation because `%s` is not "
+                           "installed. This is correct but much slower; install `%s` for the optimized kernel.",
+                           kernel, package, package)
         logger.warning("another warning")
     finally:
         logger.removeFilter(one_line)
@@ -60,6 +63,8 @@ def test_kernel_fall_backs_are_one_line(capsys):
         logger.setLevel(level)
         logger.filters[:] = filters
     assert records.messages == ["another warning"]
-    assert capsys.readouterr().err.splitlines()[0] == (
-        "[kernels] causal_conv1d / flash-linear-attention are not installed (GPU-only packages): their reference "
-        "PyTorch implementations run (correct, slower)")
+    assert capsys.readouterr().err.splitlines() == [
+        "[kernels] causal_conv1d is not installed (GPU kernels): their reference PyTorch implementations run "
+        "(correct, slower)",
+        "[kernels] flash-linear-attention is not installed (GPU kernels): their reference PyTorch implementations run "
+        "(correct, slower)"]

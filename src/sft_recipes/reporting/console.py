@@ -1,11 +1,12 @@
 """What a run shows its user: one compact line per logging step, quiet ranks > 0, and `train.log`.
 
-- `quiet_other_ranks`: ranks > 0 draw no progress bars (datasets' map -- our "Tokenizing ..." and
+- `one_voice`: ranks > 0 draw no progress bars (datasets' map -- our "Tokenizing ..." and
   TRL's truncation --, transformers' weight loading) and log transformers/datasets warnings only:
   with N ranks the console otherwise shows every bar N times. Their own INFO lines (`[data] rank r
-  trained on ...`) and warnings stay, but for one that every rank meets alike: transformers'
-  "`causal_conv1d_fn` is falling back to its reference PyTorch implementation" (a Qwen3.5 run without
-  the causal-conv1d kernel) is said by rank 0 alone, not 16 times on 2 nodes of 8 GPUs.
+  trained on ...`) and warnings stay, but for one that every rank meets alike: transformers' "`causal_conv1d_fn`
+  is falling back to its reference PyTorch implementation" (a Qwen3.5 run without a GPU kernel package)
+  is left to rank 0, which says it once per missing package (`replies.one_kernel_fallback_line`), not 16
+  times per kernel on 2 nodes of 8 GPUs.
 - `step_line`: the log of a step as one line -- `step 20/60 | loss 1.2345 | eval loss 1.3010 (step 10)
   | lr 2.00e-05 | grad norm 0.84 | 1,854 tokens/s/device | MFU 41.2% | peak 61.3 GiB | ETA 0:04:10`
   -- instead of transformers' dict of quoted strings; an eval prints `step 10/60 | eval loss 1.3010`.
@@ -32,7 +33,7 @@ from pathlib import Path
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from sft_recipes.errors import forget_refusal_hooks, on_refusal
-from sft_recipes.reporting.replies import KERNEL_FALLBACK, KERNELS_LOGGER
+from sft_recipes.reporting.replies import KERNEL_FALLBACK, KERNELS_LOGGER, one_kernel_fallback_line
 
 TRAIN_LOG = "train.log"
 
@@ -42,8 +43,9 @@ def process_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def quiet_other_ranks(rank: int | None = None) -> None:
+def one_voice(rank: int | None = None) -> None:
     if (process_rank() if rank is None else rank) == 0:
+        one_kernel_fallback_line()
         return
     import datasets
     import transformers

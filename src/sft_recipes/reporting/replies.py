@@ -6,7 +6,7 @@
   `skip_special_tokens` keeps them. A block with reasoning inside is kept: it is the model's.
 - transformers says, once per kernel, that a missing GPU kernel package (`causal_conv1d`,
   `flash-linear-attention`) falls back to its reference PyTorch implementation: four lines before every Qwen3.5
-  answer on CPU. One line says it instead.
+  answer on CPU. One line per missing package says it instead, naming it (a CPU machine may have fla installed).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from transformers import TextStreamer
 EMPTY_THINKING = re.compile(r"^\s*<think>\s*</think>\s*")
 KERNEL_FALLBACK = "is falling back to its reference PyTorch implementation"
 KERNELS_LOGGER = "transformers.integrations.hub_kernels"
+MISSING_PACKAGE = re.compile(r"because `([^`]+)` is not installed")
 
 
 def shown_reply(text: str) -> str:
@@ -47,23 +48,25 @@ class ReplyStreamer(TextStreamer):
         return super().on_finalized_text(held, stream_end)
 
 
-class _OneKernelLine(logging.Filter):
+class _OneLinePerKernelPackage(logging.Filter):
     def __init__(self) -> None:
         super().__init__()
-        self.said = False
+        self.said: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if KERNEL_FALLBACK not in record.getMessage():
+        package = MISSING_PACKAGE.search(record.getMessage()) if KERNEL_FALLBACK in record.getMessage() else None
+        if package is None:
             return True
-        if not self.said:
-            self.said = True
-            print("[kernels] causal_conv1d / flash-linear-attention are not installed (GPU-only packages): their "
-                  "reference PyTorch implementations run (correct, slower)", file=sys.stderr, flush=True)
+        if package[1] not in self.said:
+            self.said.add(package[1])
+            print(f"[kernels] {package[1]} is not installed (GPU kernels): their reference PyTorch implementations "
+                  "run (correct, slower)", file=sys.stderr, flush=True)
         return False
 
 
 def one_kernel_fallback_line() -> logging.Filter:
-    """From now on transformers' kernel fall-back warnings are one line, said at the first (the filter returned)."""
-    one_line = _OneKernelLine()
+    """From now on transformers' kernel fall-back warnings are one line per missing package, said at its first
+    (the filter returned)."""
+    one_line = _OneLinePerKernelPackage()
     logging.getLogger(KERNELS_LOGGER).addFilter(one_line)
     return one_line

@@ -19,7 +19,7 @@ from sft_recipes.fault.resume import nothing_left_to_train, protect_output_dir, 
 from sft_recipes.hsdp import launched_mesh
 from sft_recipes.lint import LintContext, lint_recipe
 from sft_recipes.loading import ModelSource
-from sft_recipes.reporting.console import keep_train_log, open_train_log, quiet_other_ranks
+from sft_recipes.reporting.console import keep_train_log, one_voice, open_train_log
 from sft_recipes.reporting.hub import HubPush, take_over_hub_push
 from sft_recipes.reporting.tracking import check_injected_mlflow_run
 from sft_recipes.run.sequence_parallel import SequenceParallel, start_sequence_parallel
@@ -83,7 +83,7 @@ def start_run(recipe: Recipe, read_only: bool = False) -> Run:
 
     `read_only` (`--audit-data`): output_dir is neither tidied nor resumed from, so an audit reads the data
     the same way before, during and after a run, whatever the checkpoints there were trained on."""
-    quiet_other_ranks()  # one set of progress bars, rank 0's
+    one_voice()  # one set of progress bars and kernel fall-back lines, rank 0's
     if not read_only:
         open_train_log(recipe.training.output_dir)  # output_dir/train.log: rank 0's console, every rank's refusal
     source = ModelSource(recipe.model)
