@@ -26,6 +26,7 @@ def test_the_last_step_is_logged_even_between_logging_steps():
     callback.on_log(SimpleNamespace(), state, TrainerControl(), logs={"loss": 2.5})
     report = callback.finish(1.0, "out", ExportCheck("skipped"), None, "NO over 1 process(es) on cpu")
     assert report["final_loss"] == 2.5 and report["losses"] == {"3": 2.5} and report["steps"] == 3
+    assert RunSummaryCallback.closing_line(report).startswith("[train] 3 steps in 1.0s (")
     assert RunSummaryCallback.closing_line(report).endswith("final loss=2.5000 | checkpoint: out")
 
 
@@ -43,6 +44,8 @@ def test_a_resumed_run_keeps_the_losses_logged_before_its_checkpoint():
     assert report["losses"] == {"2": 3.0, "4": 2.0, "5": 1.5, "6": 1.25}
     assert report["eval_losses"] == {"2": 3.5} and report["final_loss"] == 1.25
     assert (report["steps"], report["steps_this_run"]) == (6, 2)
+    # The time is this run's two steps, and the line says so (it said "[train] 6 steps in 1.0s")
+    assert RunSummaryCallback.closing_line(report).startswith("[train] 2 steps (5-6, resumed at step 4) in 1.0s (")
 
 
 def test_the_wait_for_data_is_shown_beside_the_steps_and_warned_about_when_it_dominates():

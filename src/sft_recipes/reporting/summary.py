@@ -125,7 +125,12 @@ class RunSummaryCallback(TrainerCallback):
         eval_loss = f", eval loss={report['eval_loss']:.4f}" if report.get("eval_loss") is not None else ""
         ended = (f" of max_steps {report['max_steps']} (the packed stream ended)"
                  if report.get("data_ended_before_max_steps") else "")
+        last, this_run = report["steps"], report["steps_this_run"]
+        # The time and speed are this run's: a resumed run says which steps it trained
+        trained = f"{last} step{'s' if last != 1 else ''}" if this_run in (None, last) else (
+            f"{this_run} step{'s' if this_run != 1 else ''} ({last - this_run + 1}-{last}, resumed at step "
+            f"{last - this_run})")
         return (
-            f"[train] {report['steps']} steps{ended} in {report['train_seconds']:.1f}s ({per_step}{throughput}{mfu}), "
+            f"[train] {trained}{ended} in {report['train_seconds']:.1f}s ({per_step}{throughput}{mfu}), "
             f"final loss={loss}{eval_loss}{moved} | checkpoint: {report['checkpoint']}"
         )
