@@ -94,6 +94,16 @@ def test_overwrite_sets_every_checkpoint_aside_and_deletes_nothing(tmp_path, mon
     assert resolve_resume_checkpoint(args_for(tmp_path)) is None
 
 
+def test_overwrite_starts_over_on_a_rank_that_still_sees_the_checkpoints(tmp_path, monkeypatch):
+    # Rank 1 decides while rank 0 may not have moved anything yet: it must not resume (it then found nothing
+    # left to train at --max_steps 2 and exited, and rank 0 died alone in its first barrier).
+    make_checkpoint(tmp_path, 6, recipe_identity(tiny_recipe()), 100.0, monkeypatch)
+    rank_one = SimpleNamespace(**{**vars(args_for(tmp_path, overwrite=True)), "process_index": 1})
+    moved = protect_output_dir(tiny_recipe(), rank_one)
+    assert [p.name for p in moved] == ["checkpoint-6"] and (tmp_path / "checkpoint-6").is_dir()  # rank 0 moves
+    assert resolve_resume_checkpoint(rank_one) is None
+
+
 def test_unfinished_checkpoints_are_set_aside_and_this_recipes_are_kept(tmp_path, monkeypatch):
     recipe = tiny_recipe()
     make_checkpoint(tmp_path, 2, recipe_identity(recipe), 100.0, monkeypatch)

@@ -162,6 +162,12 @@ def _resume_checkpoint(training_args) -> str | None:
     if wanted is None:
         return None
     is_main = training_args.process_index == 0
+    if wanted == "auto" and training_args.overwrite_output_dir:
+        # Starts over, decided from the arguments alone: the other ranks may still list the checkpoints that
+        # rank 0 is setting aside, and one that resumed from them would leave rank 0 alone in a collective.
+        if is_main:
+            logger.info("resume_from_checkpoint=auto: overwrite_output_dir, starting fresh")
+        return None
     if wanted == "auto":
         output_dir = Path(training_args.output_dir)
         newest = newest_complete_checkpoint(output_dir)
