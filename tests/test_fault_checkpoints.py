@@ -9,7 +9,7 @@ import pytest
 
 import sft_recipes.fault.checkpoints as checkpoints
 from conftest import REPO_ROOT, TINY_LLAMA_RECIPE
-from sft_recipes.config import load_recipe
+from sft_recipes.config import RecipeError, load_recipe
 from sft_recipes.fault.checkpoints import COMPLETION_MARKER, recipe_fingerprint, rotate_checkpoints, write_marker
 from sft_recipes.fault.resume import (
     nothing_left_to_train, protect_output_dir, recipe_identity, resolve_resume_checkpoint,
@@ -82,6 +82,10 @@ def test_another_recipes_checkpoints_are_refused_with_the_difference(tmp_path, m
     assert "holds checkpoints of another recipe (checkpoint-4): learning_rate: 0.001 there, 0.003 here" in message
     assert "--overwrite_output_dir true" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
+    # A value transformers holds as an enum is shown as the marker stores it, not as the enum's repr
+    with pytest.raises(ValueError) as error:
+        protect_output_dir(tiny_recipe("--lr_scheduler_type", "cosine"), args_for(tmp_path))
+    assert "lr_scheduler_type: 'constant' there, 'cosine' here" in str(error.value)
 
 
 def test_overwrite_sets_every_checkpoint_aside_and_deletes_nothing(tmp_path, monkeypatch):
@@ -102,6 +106,34 @@ def test_overwrite_starts_over_on_a_rank_that_still_sees_the_checkpoints(tmp_pat
     moved = protect_output_dir(tiny_recipe(), rank_one)
     assert [p.name for p in moved] == ["checkpoint-6"] and (tmp_path / "checkpoint-6").is_dir()  # rank 0 moves
     assert resolve_resume_checkpoint(rank_one) is None
+
+
+def test_a_finished_export_without_a_checkpoint_is_refused_or_set_aside_never_overwritten(tmp_path, monkeypatch):
+    # A user's notes and config, or a run trained without checkpoints: training would overwrite them silently.
+    (tmp_path / "README.md").write_text("my precious notes")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "train.log").write_text("an earlier refusal")
+    with pytest.raises(RecipeError) as refused:
+        protect_output_dir(tiny_recipe(), args_for(tmp_path))
+    assert str(refused.value) == (
+        f"output_dir {tmp_path} holds README.md, config.json and no checkpoint to resume from: this run would overwrite "
+        "them. Use another output_dir, or pass --overwrite_output_dir true to start over here (they are moved to a "
+        "set-aside-<time>/ folder, not deleted).")
+    moved = protect_output_dir(tiny_recipe(), args_for(tmp_path, overwrite=True))
+    assert [path.name for path in moved] == ["README.md", "config.json"]
+    assert moved[0].read_text() == "my precious notes" and moved[0].parent.name.startswith("set-aside-")
+    assert sorted(path.name for path in tmp_path.iterdir() if path.is_file()) == ["train.log"]  # appended to
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_retried_and_a_finished_one_resumed(tmp_path, monkeypatch):
+    for name in ("train.log", "data_report.json"):  # what a run writes before its first checkpoint
+        (tmp_path / name).write_text("{}")
+    assert protect_output_dir(tiny_recipe(), args_for(tmp_path)) == []
+    make_checkpoint(tmp_path, 4, recipe_identity(tiny_recipe()), 100.0, monkeypatch)
+    for name in ("config.json", "model.safetensors", "README.md", "run_summary.json"):
+        (tmp_path / name).write_text("{}")
+    assert protect_output_dir(tiny_recipe(), args_for(tmp_path)) == []  # it resumes (or has nothing left to train)
+    assert resolve_resume_checkpoint(args_for(tmp_path)) == str(tmp_path / "checkpoint-4")
 
 
 def test_unfinished_checkpoints_are_set_aside_and_this_recipes_are_kept(tmp_path, monkeypatch):

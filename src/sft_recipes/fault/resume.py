@@ -21,6 +21,13 @@ from sft_recipes.fault.world_size import READERS_KEY, readers_refusal, refuse_an
 
 logger = logging.getLogger(__name__)
 
+# What a finished run leaves in output_dir and a new run would overwrite: the export (a model or an adapter) and
+# the card and summary written after it.
+FINISHED_RUN_FILES = frozenset({
+    "config.json", "model.safetensors", "model.safetensors.index.json", "adapter_config.json",
+    "adapter_model.safetensors", "README.md", "run_summary.json",
+})
+
 # Recipe keys a resumed run may change without becoming "another recipe": where and how often it
 # saves and logs, how long it runs, how it exports, how patient its guards are.
 RESUME_SAFE_KEYS = frozenset({
@@ -60,6 +67,7 @@ def _changed_keys(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
 
 
 def _recipe_diff(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
+    ours = json.loads(json.dumps(ours, default=str))  # shown as the markers store them ('steps', not an enum's repr)
     changed = [f"{key}: {theirs.get(key, '<unset>')!r} there, {ours.get(key, '<unset>')!r} here"
                for key in _changed_keys(theirs, ours)]
     return "; ".join(changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
@@ -72,6 +80,11 @@ def protect_output_dir(recipe, training_args) -> list[Path]:
     - `overwrite_output_dir`: every checkpoint is set aside and the run starts over;
     - incomplete checkpoints (an interrupted save, or another tool's): set aside, so they are neither
       resumed from nor overwritten piecemeal by a later save of the same step.
+    - no complete checkpoint of this recipe, but a finished run's export or card there (FINISHED_RUN_FILES, e.g.
+      another run trained without checkpoints, or a user's own README.md): ValueError, since training would
+      overwrite them, unless `overwrite_output_dir`, which sets them aside too. A run stopped before its first
+      checkpoint leaves none of them (it writes train.log and data_report.json before then), so
+      retrying it starts fresh.
     Setting aside moves a checkpoint into `output_dir/set-aside-<time>/`; nothing is deleted.
     Every rank decides the same; rank 0 moves. Returns the new paths of what was moved.
     """
@@ -93,21 +106,28 @@ def protect_output_dir(recipe, training_args) -> list[Path]:
             "another output_dir, or pass --overwrite_output_dir true to start over here (the old checkpoints are "
             "moved to a set-aside-<time>/ folder, not deleted)."
         )
+    finished = sorted(path for path in output_dir.glob("*") if path.name in FINISHED_RUN_FILES)
+    resumable = explicit is not None or any(c.complete for c in checkpoints)
+    if finished and not resumable and not training_args.overwrite_output_dir:
+        raise RecipeError(
+            f"output_dir {output_dir} holds {', '.join(path.name for path in finished)} and no checkpoint to resume "
+            "from: this run would overwrite them. Use another output_dir, or pass --overwrite_output_dir true to "
+            "start over here (they are moved to a set-aside-<time>/ folder, not deleted).")
     if training_args.overwrite_output_dir:
-        to_move = checkpoints
+        to_move = [c.path for c in checkpoints] + finished
     else:
-        to_move = [c for c in checkpoints if not c.complete]
+        to_move = [c.path for c in checkpoints if not c.complete]
     if not to_move:
         return []
     aside = output_dir / f"set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
     if training_args.process_index == 0:
         aside.mkdir(parents=True, exist_ok=True)
-        for checkpoint in to_move:
-            checkpoint.path.rename(aside / checkpoint.path.name)
-        logger.warning("moved %s into %s (%s)", ", ".join(c.path.name for c in to_move), aside,
+        for path in to_move:
+            path.rename(aside / path.name)
+        logger.warning("moved %s into %s (%s)", ", ".join(path.name for path in to_move), aside,
                        "overwrite_output_dir" if training_args.overwrite_output_dir
                        else f"no {COMPLETION_MARKER}: an interrupted save, or written by another tool")
-    return [aside / checkpoint.path.name for checkpoint in to_move]
+    return [aside / path.name for path in to_move]
 
 
 def resolve_resume_checkpoint(training_args) -> str | None:
