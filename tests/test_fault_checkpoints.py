@@ -117,8 +117,8 @@ def test_a_finished_export_without_a_checkpoint_is_refused_or_set_aside_never_ov
         protect_output_dir(tiny_recipe(), args_for(tmp_path))
     assert str(refused.value) == (
         f"output_dir {tmp_path} holds README.md, config.json and no checkpoint to resume from: this run would overwrite "
-        "them. Use another output_dir, or pass --overwrite_output_dir true to start over here (they are moved to a "
-        "set-aside-<time>/ folder, not deleted).")
+        "them. Use another output_dir, or pass --overwrite_output_dir true to start over here (what a run would "
+        "overwrite is moved to a set-aside-<time>/ folder, not deleted).")
     moved = protect_output_dir(tiny_recipe(), args_for(tmp_path, overwrite=True))
     assert [path.name for path in moved] == ["README.md", "config.json"]
     assert moved[0].read_text() == "my precious notes" and moved[0].parent.name.startswith("set-aside-")

@@ -65,6 +65,16 @@ def test_a_read_only_output_dir_is_refused_naming_the_disk(small_disk):
     assert (earlier / "model.bin").stat().st_size == 1000
 
 
+def test_an_output_dir_that_is_a_file_is_refused_as_one(tmp_path):
+    (tmp_path / "README.md").write_text("notes")
+    with pytest.raises(RecipeError) as error:
+        refuse_unwritable_output_dir(tmp_path / "README.md")
+    assert str(error.value) == (
+        f"output_dir {tmp_path / 'README.md'} is a file, not a folder: give the folder the run writes its checkpoints "
+        "and model into (--output_dir DIR, e.g. outputs/NAME).")
+    assert (tmp_path / "README.md").read_text() == "notes"
+
+
 def test_the_training_script_refuses_a_read_only_output_dir_before_reading_data(small_disk):
     complete_checkpoint(small_disk / "out", 2, 1000)
     remount_read_only(small_disk)

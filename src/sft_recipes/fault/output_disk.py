@@ -54,8 +54,11 @@ def gib(size: int) -> str:
 
 
 def refuse_unwritable_output_dir(output_dir: str | os.PathLike) -> None:
-    """RecipeError unless this process can create output_dir (if needed) and write a file in it."""
+    """RecipeError unless output_dir is a folder (or none yet) that this process can create and write a file in."""
     path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise RecipeError(f"output_dir {path} is a file, not a folder: give the folder the run writes its checkpoints "
+                          "and model into (--output_dir DIR, e.g. outputs/NAME).")
     probe = path / f".write-probe-{uuid.uuid4().hex}"
     try:
         path.mkdir(parents=True, exist_ok=True)

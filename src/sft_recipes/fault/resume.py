@@ -111,8 +111,9 @@ def protect_output_dir(recipe, training_args) -> list[Path]:
     if finished and not resumable and not training_args.overwrite_output_dir:
         raise RecipeError(
             f"output_dir {output_dir} holds {', '.join(path.name for path in finished)} and no checkpoint to resume "
-            "from: this run would overwrite them. Use another output_dir, or pass --overwrite_output_dir true to "
-            "start over here (they are moved to a set-aside-<time>/ folder, not deleted).")
+            f"from: this run would overwrite {'them' if len(finished) > 1 else 'it'}. Use another output_dir, or pass "
+            "--overwrite_output_dir true to start over here (what a run would overwrite is moved to a "
+            "set-aside-<time>/ folder, not deleted).")
     if training_args.overwrite_output_dir:
         to_move = [c.path for c in checkpoints] + finished
     else:
