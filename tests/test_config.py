@@ -161,6 +161,13 @@ def test_nan_from_the_command_line_is_refused(tmp_path):
         load_recipe(write_recipe(tmp_path), ["--learning_rate", "nan"])
 
 
+def test_a_bare_flag_that_needs_a_value_says_so(tmp_path):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(write_recipe(tmp_path), ["--max_steps", "--learning_rate", "1e-4"])  # the value was forgotten
+    assert "'max_steps' must be an integer, got True (bool) (a bare --max_steps reads as true: give it a value)" \
+        in str(err.value)
+
+
 def test_every_range_problem_is_reported_at_once(tmp_path):
     with pytest.raises(RecipeError) as err:
         load_recipe(write_recipe(tmp_path, max_length=0, learning_rate=float("nan"), per_device_train_batch_size=0,

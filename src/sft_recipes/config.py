@@ -530,7 +530,8 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
             try:
                 kwargs[cls][key] = _coerce(value, hints[cls][key])
             except TypeError as err:
-                problems.append(f"'{key}' must be {err}, got {value!r} ({type(value).__name__}){origin}")
+                bare = f" (a bare --{key} reads as true: give it a value)" if value is True else ""
+                problems.append(f"'{key}' must be {err}, got {value!r} ({type(value).__name__}){origin}{bare}")
                 break
         else:
             problems += [problem + origin for problem in range_problems({key: kwargs[owners[key][0]][key]})]
