@@ -13,7 +13,8 @@ the bare {name, description, parameters}), given to the chat template as `tools=
 are in training; the model's calls are printed, not run.
 
 Each turn goes through the tokenizer's chat template (the whole conversation so far); the answer
-streams token by token. Greedy unless --temperature > 0.
+streams token by token. Greedy unless --temperature > 0. --base_model is for an adapter export only (a full
+export is refused with it).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import torch
 
 from sft_recipes.data.masking import check_renders_tools
 from sft_recipes.data.tools import ToolDataError, parsed_tools
-from sft_recipes.reporting.load_export import load_export
+from sft_recipes.reporting.load_export import (
+    OneLineParser, export_kind, load_export, non_negative_float, positive_int,
+)
 from sft_recipes.reporting.replies import ReplyStreamer, one_kernel_fallback_line, shown_reply
 
 
@@ -84,11 +87,15 @@ def image_prompt_inputs(output_dir: str, model, tokenizer, prompt: str, image_pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="scripts/chat.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("output_dir")
     parser.add_argument("--prompt", help="answer this one message and exit")
-    parser.add_argument("--max_new_tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max_new_tokens", type=positive_int("the most tokens one answer may have (default 256)"),
+                        default=256, help="the most tokens one answer may have (default 256)")
+    parser.add_argument("--temperature", type=non_negative_float("0 for greedy answers (the default), or e.g. 0.7 "
+                                                                 "to sample"),
+                        default=0.0, help="0 (the default): greedy; above 0: sample at this temperature")
     parser.add_argument("--base_model", help="for an adapter: load it onto this base instead of the one it names")
     parser.add_argument("--image", action="append", default=[],
                         help="with --prompt: an image the question is about (a VLM export; repeat for several)")
@@ -98,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     one_kernel_fallback_line()
     try:
         tools = read_tools(args.tools) if args.tools else None
+        if export_kind(args.output_dir, "make chat OUT={}") == "full" and args.base_model is not None:
+            raise ValueError(f"--base_model puts an adapter onto a base, and {args.output_dir} holds a whole model "
+                             "(config.json, no adapter_config.json), which loads as it is: drop --base_model")
         model, tokenizer = load_export(args.output_dir, args.base_model)
         if tools:
             check_renders_tools(tokenizer)

@@ -3,10 +3,14 @@
 with plain transformers.
 
     make show OUT=outputs/demo        (or: .venv/bin/python scripts/show_run.py outputs/demo)
+
+A folder that is not a finished run's output_dir (none there, a Trainer checkpoint-N inside one, a run that did
+not finish) is one `error:` line, exit 2.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from importlib.metadata import version
@@ -14,20 +18,31 @@ from pathlib import Path
 
 import torch
 
-from sft_recipes.errors import RecipeError, one_line_refusals
+from sft_recipes.errors import REFUSED_EXIT_CODE, RecipeError
 from sft_recipes.reporting.export_check import ExportCheck
-from sft_recipes.reporting.load_export import export_kind, load_export
+from sft_recipes.reporting.load_export import OneLineParser, export_kind, load_export, output_dir_refusal
 from sft_recipes.reporting.samples import PROMPT_STYLES, prompt_ids
 
 
-def main(output_dir: str) -> int:
-    out = Path(output_dir)
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog="scripts/show_run.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("output_dir", help="a finished run's output_dir, e.g. outputs/demo")
+    args = parser.parse_args(argv)
+    try:
+        return show(Path(args.output_dir))
+    except RecipeError as err:  # one process, nothing drawn before: the line needs no blank line above it
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return REFUSED_EXIT_CODE
+
+
+def show(out: Path) -> int:
     try:
         summary = json.loads((out / "run_summary.json").read_text())
         adapter = export_kind(out) == "adapter"
     except (OSError, ValueError):
-        raise RecipeError(f"{out} holds no finished run (no readable run_summary.json and export): pass a run's "
-                          "output_dir, e.g. make show OUT=outputs/demo") from None
+        raise RecipeError(output_dir_refusal(out, "holds no finished run (no readable run_summary.json and export)",
+                                             "make show OUT={}")) from None
     model, tokenizer = load_export(out)  # a LoRA adapter loads onto the base its adapter_config.json names
     question = "What is 2 + 3?"
     style = summary.get("prompt_style", "alpaca")  # asked as the run trained; runs before the key: the alpaca twin
@@ -63,9 +78,10 @@ def main(output_dir: str) -> int:
         print(f"  benchmarks picture {picture if picture.is_file() else 'none'}")
     print(f"  checkpoints        {', '.join(sorted(p.name for p in out.glob('checkpoint-*'))) or 'none'} (resume: rerun the same command)")
     print(f"  summary            {out}/run_summary.json")
-    for name, label in (("training_curves.png", "curves picture"), ("samples.md", "samples before/after"),
+    for name, label in (("training_curves.png", "curves picture"), ("samples.md", "sample answers"),
                         ("README.md", "model card"), ("train.log", "console log")):
-        print(f"  {label:<21}{out / name if (out / name).is_file() else 'none'}")
+        shown = f"{out / name}{' (before and after training)' if name == 'samples.md' else ''}"
+        print(f"  {label:<19}{shown if (out / name).is_file() else 'none'}")
     print(f"  chat with it       make chat OUT={out}   (one answer: make chat OUT={out} ARGS='--prompt \"Hi\"')")
     if summary.get("mlflow_tracking_uri"):
         uri = summary["mlflow_tracking_uri"]
@@ -76,6 +92,4 @@ def main(output_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit(__doc__)
-    sys.exit(one_line_refusals(lambda: main(sys.argv[1])))
+    sys.exit(main())

@@ -1,4 +1,5 @@
-"""Sample generations (single process and 2-process FSDP2 lockstep) and scripts/chat.py on tiny and real exports."""
+"""Sample generations (single process and 2-process FSDP2 lockstep) and scripts/chat.py on tiny and real exports; the
+one-line refusals of chat.py, show_run.py and evaluate.py for a wrong folder or option."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import builtins
 import importlib.util
 import json
 import os
+import re
+import shutil
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ import torch.multiprocessing as mp
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO_ROOT, free_port
+from conftest import REPO_ROOT, bin_path, free_port, run_command
 from sft_recipes.reporting.load_export import export_kind, load_export
 from sft_recipes.config import load_recipe
 from sft_recipes.data.formats import FORMATS, Tokenization
@@ -28,11 +31,15 @@ PROMPTS = ["What is 2 + 3?", "Name a colour."]
 MAX_NEW = 8
 
 
-def load_chat_script():
-    spec = importlib.util.spec_from_file_location("chat_script", REPO_ROOT / "scripts" / "chat.py")
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_script", REPO_ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_chat_script():
+    return load_script("chat")
 
 
 @pytest.fixture(scope="module")
@@ -279,3 +286,110 @@ def test_chat_opens_with_the_system_prompt_once_and_interactively(tiny_llama, ca
     assert chat.main([path, "--system", system["content"], "--max_new_tokens", "2"]) == 0
     assert [prompt.count("Answer in one word.") for prompt in prompts[1:]] == [1, 1]  # once, at the start of each turn
     capsys.readouterr()
+
+
+# ── A wrong folder or option: one `error:` line, exit 2 (chat.py, show_run.py, evaluate.py) ─────────────────────
+
+
+@pytest.fixture
+def finished_run(tmp_path):
+    """An output_dir as far as the refusals read it: a full export's config.json, run_summary.json, and the
+    Trainer's checkpoint-4 (trainer_state.json, no export)."""
+    out = tmp_path / "run"
+    (out / "checkpoint-4").mkdir(parents=True)
+    for name in ("config.json", "run_summary.json", "checkpoint-4/trainer_state.json"):
+        (out / name).write_text("{}")
+    return out
+
+
+def test_chat_refuses_a_length_or_temperature_out_of_range_in_one_line(finished_run, capsys, monkeypatch):
+    chat = load_chat_script()
+    tokens = "give the most tokens one answer may have (default 256)"
+    temperature = "give 0 for greedy answers (the default), or e.g. 0.7 to sample"
+    lines = {
+        "--max_new_tokens=-5": f"error: argument --max_new_tokens: -5 is not a whole number >= 1: {tokens}",
+        "--max_new_tokens=0": f"error: argument --max_new_tokens: 0 is not a whole number >= 1: {tokens}",
+        "--max_new_tokens=many": f"error: argument --max_new_tokens: many is not a whole number >= 1: {tokens}",
+        "--temperature=-1": f"error: argument --temperature: -1 is not a number >= 0: {temperature}",
+        "--temperature=nan": f"error: argument --temperature: nan is not a number >= 0: {temperature}",
+        "--temprature=1": "error: unrecognized arguments: --temprature=1 (see scripts/chat.py --help)",
+    }
+    for option, line in lines.items():  # refused by argparse, before the (fake) export is read
+        with pytest.raises(SystemExit) as refused:
+            chat.main([str(finished_run), "--prompt", "Hi", option])
+        assert (refused.value.code, capsys.readouterr().err) == (2, line + "\n")
+    # 0 is taken (greedy, the default): parsed, then the export is loaded
+    monkeypatch.setattr(chat, "load_export", lambda *args: (_ for _ in ()).throw(SystemExit("parsed")))
+    with pytest.raises(SystemExit, match="parsed"):
+        chat.main([str(finished_run), "--prompt", "Hi", "--temperature", "0", "--max_new_tokens", "1"])
+
+
+def test_chat_refuses_base_model_for_a_full_export(finished_run, capsys):
+    chat = load_chat_script()
+    assert chat.main([str(finished_run), "--base_model", "nope/nope", "--prompt", "Hi"]) == 2
+    assert capsys.readouterr().err == (f"error: --base_model puts an adapter onto a base, and {finished_run} holds a "
+                                       "whole model (config.json, no adapter_config.json), which loads as it is: drop "
+                                       "--base_model\n")
+
+
+def test_a_folder_that_is_not_a_run_is_named_for_what_it_is(finished_run, tmp_path, capsys):
+    """No folder there, or a Trainer checkpoint inside a run's output_dir (finished or not): said so, with the way
+    out, by chat.py, show_run.py and evaluate.py alike; no blank line above the `error:` line."""
+    chat, show, evaluate = load_chat_script(), load_script("show_run"), load_script("evaluate")
+    missing, checkpoint = tmp_path / "nope", finished_run / "checkpoint-4"
+    unfinished = tmp_path / "unfinished" / "checkpoint-2"
+    shutil.copytree(checkpoint, unfinished)
+    exported = f"{checkpoint} is a Trainer checkpoint (what a resume starts from); the run's export is in its output_dir:"
+    not_yet = (f"{unfinished} is a Trainer checkpoint (what a resume starts from), and its output_dir {unfinished.parent}"
+               " holds no export yet (the run did not finish): rerun the run's command, which resumes from its last "
+               "checkpoint, then")
+    lines = {
+        (chat, missing): f"error: {missing} is not a folder here: pass a run's output_dir, e.g. make chat OUT=outputs/demo",
+        (show, missing): f"error: {missing} is not a folder here: pass a run's output_dir, e.g. make show OUT=outputs/demo",
+        (chat, checkpoint): f"error: {exported} make chat OUT={finished_run}",
+        (show, checkpoint): f"error: {exported} make show OUT={finished_run}",
+        (evaluate, checkpoint): f"error: {exported} pass {finished_run}",
+        (chat, unfinished): f"error: {not_yet} make chat OUT={unfinished.parent}",
+        (show, unfinished): f"error: {not_yet} make show OUT={unfinished.parent}",
+        (show, tmp_path): f"error: {tmp_path} holds no finished run (no readable run_summary.json and export): pass a "
+                          "run's output_dir, e.g. make show OUT=outputs/demo",
+    }
+    for (script, folder), line in lines.items():
+        if script is chat:
+            code = chat.main([str(folder), "--prompt", "Hi"])
+        elif script is show:
+            code = show.main([str(folder)])
+        else:
+            code = evaluate.refused_in_one_line(lambda: evaluate.main([str(folder), "--tasks", "alpaca_answers"]))
+        assert (code, capsys.readouterr().err) == (2, line + "\n")
+
+
+@pytest.mark.slow  # two interpreters that import transformers
+def test_the_scripts_print_no_blank_line_above_their_error_line(tmp_path):
+    missing = tmp_path / "nope"
+    shown = run_command([bin_path("python"), "scripts/show_run.py", str(missing)])
+    assert (shown.returncode, shown.stderr) == (
+        2, f"error: {missing} is not a folder here: pass a run's output_dir, e.g. make show OUT=outputs/demo\n")
+    scored = run_command([bin_path("python"), "scripts/evaluate.py", str(missing), "--tasks", "alpaca_answers",
+                          "--backend", "tgi"])
+    assert (scored.returncode, scored.stderr) == (
+        2, "error: --backend 'tgi' is not offered: use --backend hf (transformers, the default) or --backend vllm "
+           "(lm-eval's vLLM model; pip install vllm)\n")
+
+
+def test_show_run_lines_up_its_columns(tiny_llama, tmp_path, capsys):
+    path, _, _ = tiny_llama
+    out = shutil.copytree(path, tmp_path / "run")
+    (out / "run_summary.json").write_text(json.dumps({"distributed": "1 process on cpu", "steps": 1,
+                                                      "seconds_per_step": 0.5, "final_loss": 6.25,
+                                                      "export_max_logit_diff": 0.0}))
+    for name in ("training_curves.png", "samples.md", "README.md", "train.log"):
+        (out / name).write_text("")
+    assert load_script("show_run").main([str(out)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert [line for line in lines if not re.fullmatch(r"  \S.{17} \S.*", line) and not line.startswith(" " * 21)] == []
+    assert "\n".join(lines[-6:-1]) == (f"  summary            {out}/run_summary.json\n"
+                                       f"  curves picture     {out}/training_curves.png\n"
+                                       f"  sample answers     {out}/samples.md (before and after training)\n"
+                                       f"  model card         {out}/README.md\n"
+                                       f"  console log        {out}/train.log")

@@ -1,8 +1,16 @@
-"""Load what a run exported into its output_dir: a consolidated model, or its base + the PEFT adapter."""
+"""Load what a run exported into its output_dir: a consolidated model, or its base + the PEFT adapter.
+
+The scripts that read an output folder (scripts/chat.py, show_run.py, evaluate.py) refuse a wrong one in one
+`error:` line that says what the folder is -- not a folder here, a Trainer checkpoint inside a run's output_dir
+(`output_dir_refusal`) -- and refuse a wrong option the same way (`OneLineParser`).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import re
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
@@ -10,17 +18,87 @@ from transformers import AutoConfig, AutoTokenizer
 from sft_recipes.loading import model_class_for
 
 ADAPTER_CONFIG = "adapter_config.json"
+TRAINER_CHECKPOINT = re.compile(r"checkpoint-\d+")  # the Trainer's checkpoint folders inside an output_dir
 
 
-def export_kind(output_dir: str | Path) -> str:
-    """"adapter" (PEFT adapter_config.json), "full" (config.json), or ValueError for anything else."""
+def exported_kind(output_dir: str | Path) -> str | None:
+    """"adapter" (PEFT adapter_config.json), "full" (config.json), or None: no export there."""
     output_dir = Path(output_dir)
     if (output_dir / ADAPTER_CONFIG).is_file():
         return "adapter"
     if (output_dir / "config.json").is_file():
         return "full"
-    raise ValueError(f"{output_dir} holds no exported model (no config.json, no {ADAPTER_CONFIG}): pass the "
-                     "output_dir of a finished run.")
+    return None
+
+
+def output_dir_refusal(path: str | Path, lacks: str, command: str | None = None) -> str:
+    """The one line refusing `path` as a run's output_dir: it is not a folder here, or a Trainer checkpoint (the
+    export is in the output_dir above it), or it `lacks` what the script reads ("holds no ..."). `command`
+    is the fix with a folder in place of {} (e.g. "make chat OUT={}"); without it the fix is to pass the folder."""
+    path = Path(path)
+    retry = command.format if command else "pass {}".format
+    pass_a_run = f"pass a run's output_dir, e.g. {command.format('outputs/demo')}" if command else (
+        "pass the output_dir of a finished run")
+    if not path.is_dir():
+        return f"{path} is not a folder here: {pass_a_run}"
+    if TRAINER_CHECKPOINT.fullmatch(path.name) and (path / "trainer_state.json").is_file():
+        run = path.parent
+        if exported_kind(run) is not None:
+            return (f"{path} is a Trainer checkpoint (what a resume starts from); the run's export is in its "
+                    f"output_dir: {retry(run)}")
+        return (f"{path} is a Trainer checkpoint (what a resume starts from), and its output_dir {run} holds no export "
+                f"yet (the run did not finish): rerun the run's command, which resumes from its last checkpoint, then "
+                f"{retry(run)}")
+    return f"{path} {lacks}: {pass_a_run}"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose refusal of a wrong command line is one `error:` line and exit 2, without the usage block
+    (--help prints it). The argument types below end their messages with the fix; argparse's own point at --help."""
+
+    def error(self, message: str):
+        fix = "" if ": give " in message else f" (see {self.prog} --help)"
+        self.exit(2, f"error: {message}{fix}\n")
+
+
+def positive_int(fix: str):
+    """An argparse type: a whole number >= 1; `fix` says what to give, e.g. "the most tokens (default 256)"."""
+
+    def whole_number_at_least_one(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{text} is not a whole number >= 1: give {fix}")
+        return value
+
+    return whole_number_at_least_one
+
+
+def non_negative_float(fix: str):
+    """An argparse type: a finite number >= 0; `fix` says what to give."""
+
+    def number_at_least_zero(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):
+            raise argparse.ArgumentTypeError(f"{text} is not a number >= 0: give {fix}")
+        return value
+
+    return number_at_least_zero
+
+
+def export_kind(output_dir: str | Path, command: str | None = None) -> str:
+    """"adapter" (PEFT adapter_config.json), "full" (config.json), or ValueError for anything else (its message
+    `output_dir_refusal`'s, with `command` as the fix)."""
+    kind = exported_kind(output_dir)
+    if kind is None:
+        raise ValueError(output_dir_refusal(output_dir, f"holds no exported model (no config.json, no {ADAPTER_CONFIG})",
+                                            command))
+    return kind
 
 
 def load_export(output_dir: str | Path, base_model: str | None = None):
