@@ -127,7 +127,7 @@ class RunSummaryCallback(TrainerCallback):
                  if report.get("data_ended_before_max_steps") else "")
         last, this_run = report["steps"], report["steps_this_run"]
         # The time and speed are this run's: a resumed run says which steps it trained
-        trained = f"{last} step{'s' if last != 1 else ''}" if this_run in (None, last) else (
+        trained = f"{last} step{'s' if last != 1 else ''}" if not this_run or this_run == last else (
             f"{this_run} step{'s' if this_run != 1 else ''} ({last - this_run + 1}-{last}, resumed at step "
             f"{last - this_run})")
         return (
