@@ -194,3 +194,15 @@ def test_every_numeric_field_has_a_range_or_a_reason():
                if f.init and holds_numbers(_type_hints(cls)[f.name])}
     assert numeric - set(RANGES) - set(UNCHECKED) == set(), "give each new numeric field a range in value_ranges.py"
     assert set(RANGES) | set(UNCHECKED) <= numeric, "a range for a field that no longer exists"
+
+
+def test_a_folder_as_the_recipe_is_named_as_a_folder_with_the_recipes_in_it(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "a.yaml").write_text("max_steps: 1\n")
+    (tmp_path / "mine" / "more").mkdir()
+    (tmp_path / "mine" / "more" / "b.yaml").write_text("max_steps: 1\n")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(tmp_path / "mine")
+    assert str(err.value) == (f"{tmp_path / 'mine'} is a folder, not a recipe file. Pass the path of a recipe YAML: "
+                              f"one of {(tmp_path / 'mine' / 'a.yaml').as_posix()}, "
+                              f"{(tmp_path / 'mine' / 'more' / 'b.yaml').as_posix()}.")

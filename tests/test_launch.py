@@ -122,3 +122,31 @@ def test_gpus_a_node_needs():
     assert gpus_needed(two_node, {"bf16": True}, 4) == (4, "mixed_precision: bf16, bf16: true")
     assert gpus_needed(read_accelerate_config(CONFIGS / "fsdp2_cpu.yaml"), {}, None) == (0, "")
     assert gpus_needed(two_node, {"use_cpu": True}, None) == (0, "")
+
+
+def test_a_recipe_a_folder_or_broken_yaml_as_the_accelerate_config_is_refused_with_the_shipped_configs(tmp_path,
+                                                                                                         monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    shipped = ", ".join(f"accelerate_configs/{path.name}" for path in SHIPPED)
+    with pytest.raises(RecipeError) as err:
+        read_accelerate_config("recipes/tiny/llama8b.yaml")  # accelerate launch: "A distributed_type must be specified"
+    assert str(err.value) == ("recipes/tiny/llama8b.yaml is not an accelerate config: it has no distributed_type, which "
+                              "accelerate launch requires (it reads like a recipe). Pass the path of an accelerate "
+                              f"config file: one of {shipped}.")
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(RecipeError) as err:
+        read_accelerate_config(tmp_path / "empty.yaml")
+    assert str(err.value) == (f"{tmp_path / 'empty.yaml'} is not an accelerate config: it has no distributed_type, "
+                              f"which accelerate launch requires. Pass the path of an accelerate config file: one of "
+                              f"{shipped}.")
+    with pytest.raises(RecipeError) as err:
+        read_accelerate_config("accelerate_configs")
+    assert str(err.value) == ("accelerate_configs is a folder, not an accelerate config file. Pass the path of an "
+                              f"accelerate config file: one of {shipped}.")
+    (tmp_path / "broken.yaml").write_text("num_processes: [2\n")
+    with pytest.raises(RecipeError) as err:
+        read_accelerate_config(tmp_path / "broken.yaml")
+    assert str(err.value) == (
+        f"{tmp_path / 'broken.yaml'} is not valid YAML: while parsing a flow sequence in \"<unicode string>\", line 1, "
+        "column 16: num_processes: [2 ^ expected ',' or ']', but got '<stream end>' in \"<unicode string>\", line 2, "
+        "column 1: ^. Fix the YAML at the line and column named (one `key: value` per line).")

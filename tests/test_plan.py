@@ -585,3 +585,23 @@ def test_eval_peak_keeps_no_gradients_and_no_full_logits():
     # Under SP each rank evaluates whole blocks: training's peak shrinks with the SP size, eval's does not.
     sp = make_plan(config, dataclasses.replace(setup, sequence_parallel_size=4))
     assert sp.memory.total < plan.memory.total and sp.eval_gib == pytest.approx(plan.eval_gib)
+
+
+def test_a_model_missing_from_the_cache_names_the_shipped_config_files(tmp_path, monkeypatch):
+    import sft_recipes.loading as loading
+
+    assert (REPO_ROOT / loading.SHIPPED_MODEL_CONFIGS / "meta-llama__Llama-3.1-8B.json").is_file()
+    name = "sft-recipes-tests/not-a-cached-model"
+    with pytest.raises(ValueError) as err:
+        read_model_config(name, download=False)
+    assert str(err.value) == (
+        f"{name} is not in the Hugging Face cache and the planner never downloads: run `.venv/bin/hf download {name} "
+        "config.json`, or point model_name_or_path at a local config.json file (or a directory holding one), e.g. one "
+        "of the shipped data/realworld/model_configs/*.json.")
+    (tmp_path / "sft-recipes-tests__not-a-cached-model.derived.json").write_text("{}")
+    monkeypatch.setattr(loading, "SHIPPED_MODEL_CONFIGS", tmp_path)
+    with pytest.raises(ValueError) as err:
+        read_model_config(name, download=False)
+    assert str(err.value).endswith(
+        f"e.g. `--model_name_or_path {tmp_path.as_posix()}/sft-recipes-tests__not-a-cached-model.derived.json` "
+        "(shipped with this clone).")

@@ -89,3 +89,65 @@ def test_a_config_the_launch_script_cannot_read_is_one_line_before_torchrun():
 def test_processes_per_node_is_what_the_launch_script_starts_without_gpus(config, per_node):
     result = run_command([bin_path("python"), "-m", "sft_recipes.launch", "processes-per-node", f"accelerate_configs/{config}"])
     assert (result.returncode, result.stdout.strip()) == (0, per_node), result.stderr
+
+
+SHIPPED_CONFIGS = ", ".join(sorted(f"accelerate_configs/{p.name}" for p in (REPO_ROOT / "accelerate_configs").glob("*.yaml")))
+SHIPPED_RECIPES = ", ".join(sorted(p.relative_to(REPO_ROOT).as_posix() for pattern in ("*.yaml", "*/*.yaml")
+                                   for p in (REPO_ROOT / "recipes").glob(pattern)))
+BROKEN_YAML = ("is not valid YAML: while parsing a flow sequence in \"<unicode string>\", line 1, column 12: max_steps: [4 "
+               "^ expected ',' or ']', but got '<stream end>' in \"<unicode string>\", line 2, column 1: ^. Fix the YAML at "
+               "the line and column named (one `key: value` per line).")
+
+
+@pytest.fixture
+def bad_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    (tmp_path / "broken.yaml").write_text("max_steps: [4\n")
+    (tmp_path / "list.yaml").write_text("- max_steps: 4\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize(("config", "recipe", "expected"), [
+    ("accelerate_configs/fsdp2_cpu.yaml", "{tmp}/broken.yaml", "{tmp}/broken.yaml " + BROKEN_YAML),
+    ("accelerate_configs/fsdp2_cpu.yaml", "{tmp}/list.yaml",
+     "{tmp}/list.yaml must be a mapping of key: value, got list: write one `key: value` per line, as in "
+     "recipes/tiny/llama8b.yaml."),
+    ("{tmp}/broken.yaml", "recipes/tiny/llama8b.yaml", "{tmp}/broken.yaml " + BROKEN_YAML),
+    ("{tmp}/list.yaml", "recipes/tiny/llama8b.yaml",
+     "{tmp}/list.yaml is not an accelerate config: it must be a mapping of key: value, got list. Pass the path of an "
+     f"accelerate config file: one of {SHIPPED_CONFIGS}."),
+    ("recipes/tiny/llama8b.yaml", "recipes/tiny/llama8b.yaml",
+     "recipes/tiny/llama8b.yaml is not an accelerate config: it has no distributed_type, which accelerate launch "
+     f"requires (it reads like a recipe). Pass the path of an accelerate config file: one of {SHIPPED_CONFIGS}."),
+    ("accelerate_configs/fsdp2_cpu.yaml", "recipes",
+     f"recipes is a folder, not a recipe file. Pass the path of a recipe YAML: one of {SHIPPED_RECIPES}."),
+    ("accelerate_configs", "recipes/tiny/llama8b.yaml",
+     f"accelerate_configs is a folder, not an accelerate config file. Pass the path of an accelerate config file: "
+     f"one of {SHIPPED_CONFIGS}."),
+    ("accelerate_configs/fsdp2_cpu.yaml", "nope.yaml",
+     f"Recipe file not found: nope.yaml. Pass the path of a recipe YAML: one of {SHIPPED_RECIPES}."),
+    ("nope.yaml", "recipes/tiny/llama8b.yaml",
+     f"accelerate config not found: nope.yaml. Pass the path of an accelerate config file: one of {SHIPPED_CONFIGS}."),
+])
+def test_a_file_that_is_no_recipe_or_no_accelerate_config_is_sfts_one_line_with_the_fix(bad_files, config, recipe,
+                                                                                          expected, capsys):
+    from sft_recipes.preflight_launch import main
+
+    config, recipe, expected = (text.replace("{tmp}", str(bad_files)) for text in (config, recipe, expected))
+    assert preflight(config, recipe, None, gpu_count=0) == expected
+    assert main([config, recipe]) == 2
+    assert capsys.readouterr().err == f"error: {expected}\n"
+
+
+@pytest.mark.slow
+def test_make_train_with_a_recipe_as_the_accelerate_config_is_refused_before_accelerate(tmp_path):
+    result = run_command(["make", "-s", "-o", ".venv/.installed", "train", f"PY={bin_path('python')}",
+                          "CONFIG=recipes/tiny/llama8b.yaml", f"OUT={tmp_path / 'x'}", "ARGS=--max_steps 1"])
+    _refused_before_any_process(result, "error: recipes/tiny/llama8b.yaml is not an accelerate config: it has no "
+                                         "distributed_type, which accelerate launch requires (it reads like a recipe). "
+                                         f"Pass the path of an accelerate config file: one of {SHIPPED_CONFIGS}.")
+    for broken in ("RECIPE", "CONFIG"):
+        (tmp_path / "broken.yaml").write_text("max_steps: [4\n")
+        result = run_command(["make", "-s", "-o", ".venv/.installed", "train", f"PY={bin_path('python')}",
+                              f"{broken}={tmp_path / 'broken.yaml'}", f"OUT={tmp_path / 'x'}"])
+        _refused_before_any_process(result, f"error: {tmp_path / 'broken.yaml'} {BROKEN_YAML}")

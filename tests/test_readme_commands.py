@@ -95,3 +95,25 @@ def test_no_page_prints_a_command_that_needs_an_activated_venv():
     bare = [(page.name, command) for page in pages for command in bash_commands(page.read_text())
             if re.match(r"(\w+=\S+\s+)*(python3?|accelerate|pip|pytest|mlflow)\s", command)]
     assert not bare, bare
+
+
+PLANNING_PAGES = ("planner.md", "planning.md")
+PLANNING_COMMANDS = [command for page in PLANNING_PAGES for command in bash_commands((REPO_ROOT / "docs" / page).read_text())]
+
+
+def test_the_planning_pages_plan_from_the_shipped_model_configs_offline():
+    """A real recipe's Hub id is not in a clone's Hugging Face cache: a dry run of it printed without
+    --model_name_or_path failed offline ('meta-llama/Llama-3.1-8B is not in the Hugging Face cache')."""
+    assert len(PLANNING_COMMANDS) == 4, PLANNING_COMMANDS
+    for command in PLANNING_COMMANDS:
+        words = shlex.split(command)
+        assert words[:2] == [".venv/bin/python", "scripts/sft.py"] and "--dry-run" in words, command
+        model = words[words.index("--model_name_or_path") + 1] if "--model_name_or_path" in words else None
+        assert model and model.startswith("data/realworld/model_configs/") and (REPO_ROOT / model).is_file(), command
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", PLANNING_COMMANDS)
+def test_every_command_of_the_planning_pages_runs_as_printed(command):
+    result = _run(shlex.split(command), {})
+    assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"

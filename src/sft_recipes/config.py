@@ -32,6 +32,7 @@ from trl import ModelConfig, ScriptArguments, SFTConfig
 from sft_recipes.data.blocks import PACKING_WINDOW
 from sft_recipes.data.formats import FORMATS
 from sft_recipes.errors import RecipeError
+from sft_recipes.launch import read_yaml as _read_yaml
 from sft_recipes.value_ranges import range_problems
 
 DatasetFormatName = Literal[tuple(FORMATS)]
@@ -422,26 +423,27 @@ def parse_cli_overrides(argv: list[str]) -> dict[str, Any]:
     return overrides
 
 
+def _pass_a_recipe(folder: Path = Path("recipes")) -> str:
+    """The fix for a recipe path that is no file: the YAML files in `folder` and its subfolders (else the shipped
+    recipes) by name."""
+    listed = sorted(p.as_posix() for pattern in ("*.yaml", "*/*.yaml") for p in folder.glob(pattern))
+    if not listed and folder != Path("recipes"):
+        return _pass_a_recipe()
+    hint = f": one of {', '.join(listed)}" if listed else ", e.g. recipes/tiny/llama8b.yaml"
+    return f"Pass the path of a recipe YAML{hint}."
+
+
 def read_recipe_file(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise RecipeError(f"{path} is a folder, not a recipe file. {_pass_a_recipe(path)}")
     if not path.is_file():
-        nearby = sorted(p.as_posix() for p in Path("recipes").rglob("*.yaml")) if Path("recipes").is_dir() else []
-        hint = f": one of {', '.join(nearby)}" if nearby else ", e.g. recipes/tiny/llama8b.yaml"
-        raise RecipeError(f"Recipe file not found: {path}. Pass the path of a recipe YAML{hint}.")
+        raise RecipeError(f"Recipe file not found: {path}. {_pass_a_recipe()}")
     values = _read_yaml(path, str(path)) or {}
     if not isinstance(values, dict):
         raise RecipeError(f"{path} must be a mapping of key: value, got {type(values).__name__}: write one "
                           "`key: value` per line, as in recipes/tiny/llama8b.yaml.")
     return values
-
-
-def _read_yaml(path: Path, origin: str) -> Any:
-    """A YAML file's values; a syntax error is one refusal naming where it is (PyYAML's report on one line)."""
-    try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise RecipeError(f"{origin} is not valid YAML: {' '.join(str(err).split())}. Fix the YAML at the line and "
-                          "column named (one `key: value` per line).") from None
 
 
 def read_parameters_file() -> tuple[dict[str, Any], str | None]:

@@ -269,16 +269,37 @@ def launched_parallelism(environ: Mapping[str, str] | None = None) -> Parallelis
                                for name in PARALLELISM_DIMENSIONS})
 
 
+def read_yaml(path: Path, origin: str):
+    """A YAML file's values; a syntax error is one refusal naming where it is (PyYAML's report on one line)."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{origin} is not valid YAML: {' '.join(str(err).split())}. Fix the YAML at the line and "
+                          "column named (one `key: value` per line).") from None
+
+
+def pass_an_accelerate_config() -> str:
+    """The fix for a --config_file / CONFIG that is not an accelerate config: the shipped ones by name."""
+    shipped = ", ".join(sorted(p.as_posix() for p in Path("accelerate_configs").glob("*.yaml")))
+    return ("Pass the path of an accelerate config file"
+            + (f": one of {shipped}." if shipped else ", e.g. accelerate_configs/fsdp2_8gpu.yaml."))
+
+
 def read_accelerate_config(path: str | os.PathLike) -> AccelerateConfig:
     path = Path(path)
+    if path.is_dir():
+        raise RecipeError(f"{path} is a folder, not an accelerate config file. {pass_an_accelerate_config()}")
     if not path.is_file():
-        shipped = ", ".join(sorted(p.as_posix() for p in Path("accelerate_configs").glob("*.yaml")))
-        raise RecipeError(f"accelerate config not found: {path}. Pass the path of an accelerate config file"
-                          + (f": one of {shipped}." if shipped else ", e.g. accelerate_configs/fsdp2_8gpu.yaml."))
-    values = yaml.safe_load(path.read_text()) or {}
+        raise RecipeError(f"accelerate config not found: {path}. {pass_an_accelerate_config()}")
+    values = read_yaml(path, str(path)) or {}
     if not isinstance(values, dict):
-        raise RecipeError(f"{path} is not an accelerate config (a YAML mapping): pass one of accelerate_configs/*.yaml "
-                          "or a file written by `accelerate config`.")
+        raise RecipeError(f"{path} is not an accelerate config: it must be a mapping of key: value, got "
+                          f"{type(values).__name__}. {pass_an_accelerate_config()}")
+    if "distributed_type" not in values:  # accelerate launch: "A distributed_type must be specified in the config file."
+        looks_like = " (it reads like a recipe)" * any(
+            key in values for key in ("model_name_or_path", "output_dir", "datasets", "dataset_name"))
+        raise RecipeError(f"{path} is not an accelerate config: it has no distributed_type, which accelerate launch "
+                          f"requires{looks_like}. {pass_an_accelerate_config()}")
     return AccelerateConfig(values, path)
 
 

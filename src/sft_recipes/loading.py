@@ -15,6 +15,8 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from sft_recipes.errors import RecipeError
 
 TINY_SCHEME = "tiny:"  # "tiny:llama" -> a tiny random stand-in built offline (sft_recipes.tiny)
+# The real models' config.json files, copied into the clone: what an offline dry run plans (README, docs/planner.md).
+SHIPPED_MODEL_CONFIGS = Path("data/realworld/model_configs")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -42,9 +44,14 @@ def read_model_config(model_name_or_path: str | Path, revision: str | None = Non
     except OSError as error:
         if download:
             raise
+        shipped = next((path for path in (SHIPPED_MODEL_CONFIGS / f"{name.replace('/', '__')}{suffix}"
+                                          for suffix in (".json", ".derived.json")) if path.is_file()), None)
+        example = (f"`--model_name_or_path {shipped.as_posix()}` (shipped with this clone)" if shipped else
+                   f"one of the shipped {SHIPPED_MODEL_CONFIGS.as_posix()}/*.json")
         raise RecipeError(
             f"{name} is not in the Hugging Face cache and the planner never downloads: run "
-            f"`.venv/bin/hf download {name} config.json` or point model_name_or_path at a local directory."
+            f"`.venv/bin/hf download {name} config.json`, or point model_name_or_path at a local config.json file "
+            f"(or a directory holding one), e.g. {example}."
         ) from error
 
 

@@ -23,20 +23,21 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-import yaml
-
+from sft_recipes.errors import RecipeError
 from sft_recipes.launch import gpus_needed, read_accelerate_config
 
 
 def preflight(config_path: str, recipe_path: str, processes_per_node: int | None, gpu_count: int) -> str | None:
     """The one-line refusal, or None when this machine can run the launch."""
-    for path in (config_path, recipe_path):
-        if not Path(path).is_file():
-            return f"{path} not found"
-    recipe = yaml.safe_load(Path(recipe_path).read_text()) or {}
-    needed, why = gpus_needed(read_accelerate_config(config_path), recipe, processes_per_node)
+    from sft_recipes.config import read_recipe_file  # sft.py's refusals of a recipe file (missing, a folder, bad YAML)
+
+    try:
+        config = read_accelerate_config(config_path)
+        recipe = read_recipe_file(recipe_path)
+    except RecipeError as err:
+        return str(err)
+    needed, why = gpus_needed(config, recipe, processes_per_node)
     if gpu_count >= needed:
         return None
     have = "no GPU" if gpu_count == 0 else f"{gpu_count} GPU(s)"
