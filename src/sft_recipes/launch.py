@@ -296,8 +296,8 @@ def read_accelerate_config(path: str | os.PathLike) -> AccelerateConfig:
         raise RecipeError(f"{path} is not an accelerate config: it must be a mapping of key: value, got "
                           f"{type(values).__name__}. {pass_an_accelerate_config()}")
     if "distributed_type" not in values:  # accelerate launch: "A distributed_type must be specified in the config file."
-        looks_like = " (it reads like a recipe)" * any(
-            key in values for key in ("model_name_or_path", "output_dir", "datasets", "dataset_name"))
+        reads_like_a_recipe = any(key in values for key in ("model_name_or_path", "output_dir", "datasets", "dataset_name"))
+        looks_like = " (it reads like a recipe)" if reads_like_a_recipe else ""
         raise RecipeError(f"{path} is not an accelerate config: it has no distributed_type, which accelerate launch "
                           f"requires{looks_like}. {pass_an_accelerate_config()}")
     return AccelerateConfig(values, path)
