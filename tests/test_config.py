@@ -81,7 +81,7 @@ def test_cli_overrides_win_and_are_typed(tmp_path):
 
 
 def test_cli_override_of_unknown_key_is_rejected(tmp_path):
-    with pytest.raises(RecipeError, match="unknown key 'max_step'; did you mean 'max_steps'"):
+    with pytest.raises(RecipeError, match="unknown key 'max_step' \\(set by --max_step\\); did you mean 'max_steps'"):
         load_recipe(write_recipe(tmp_path), ["--max_step", "7"])
 
 
@@ -166,6 +166,20 @@ def test_a_bare_flag_that_needs_a_value_says_so(tmp_path):
         load_recipe(write_recipe(tmp_path), ["--max_steps", "--learning_rate", "1e-4"])  # the value was forgotten
     assert "'max_steps' must be an integer, got True (bool) (a bare --max_steps reads as true: give it a value)" \
         in str(err.value)
+    with pytest.raises(RecipeError) as err:  # the same value written in the recipe file is no forgotten value
+        load_recipe(write_recipe(tmp_path, max_steps=True))
+    assert "'max_steps' must be an integer, got True (bool). Fix these in " in str(err.value)
+
+
+def test_a_problem_names_the_override_that_set_it(tmp_path):
+    """The user fixes a value where they wrote it: the command line, train()'s keyword or the recipe file."""
+    recipe = write_recipe(tmp_path, warmup_steps=-1)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(recipe, {"max_steps": "ten"}, overrides_source="keyword_arguments")
+    assert str(err.value) == (
+        f"{recipe}: 'warmup_steps' must be a finite number >= 0 (below 1: a fraction of the total steps), got -1.0; "
+        "'max_steps' must be an integer, got 'ten' (str) (set by train(max_steps=...)). Fix each where it is set (in parentheses), "
+        f"else in {recipe}.")
 
 
 def test_every_range_problem_is_reported_at_once(tmp_path):

@@ -92,9 +92,16 @@ def test_the_most_common_refusals_end_with_what_to_do(tmp_path):
     broken.write_text("max_steps: 4\n  learning_rate: 1\n")
     assert _refusal(broken).endswith("Fix the YAML at the line and column named (one `key: value` per line).")
     message = _refusal(TINY_LLAMA_RECIPE, ["--zzz_unheard_of", "1", "--learning_rate", "-1"])
-    assert "unknown key 'zzz_unheard_of': remove it, or use a field of DataArguments" in message
-    assert "'learning_rate' must be a finite number > 0, got -1" in message
-    assert message.endswith(f"Fix these in {TINY_LLAMA_RECIPE} or in the --key overrides.")
+    assert "unknown key 'zzz_unheard_of' (set by --zzz_unheard_of): remove it, or use a field of DataArguments" \
+        in message
+    assert "'learning_rate' must be a finite number > 0, got -1.0 (set by --learning_rate)" in message
+    assert message.endswith(f"Fix each where it is set (in parentheses), else in {TINY_LLAMA_RECIPE}.")
+    # A problem in the recipe file alone names only the file.
+    in_the_file = tmp_path / "in_the_file.yaml"
+    in_the_file.write_text(TINY_LLAMA_RECIPE.read_text() + "\nlearning_rate: -1\n")
+    message = _refusal(in_the_file, ["--max_steps", "3"])
+    assert message == (f"{in_the_file}: 'learning_rate' must be a finite number > 0, got -1.0. "
+                       f"Fix these in {in_the_file}.")
     # The example: an alpaca source in a packed mixture says what to change.
     message = _refusal(TINY_LLAMA_RECIPE, ["--pack_blocks", "true", "--datasets",
                                             "[{path: data/samples/alpaca.jsonl, dataset_format: alpaca}]",

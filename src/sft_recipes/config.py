@@ -482,6 +482,15 @@ def without_overridden_batch_keys(*sources: dict[str, Any]) -> list[dict[str, An
     return pruned
 
 
+def _where_an_override_is_set(key: str, overrides_source: str) -> str:
+    """How a problem names an override it came from: the user fixes it there, not in the recipe file."""
+    if overrides_source == "command_line":
+        return f" (set by --{key})"
+    if overrides_source == "keyword_arguments":
+        return f" (set by train({key}=...))"
+    return f" (set in the {overrides_source} overrides)"
+
+
 def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] | None = None,
                 planning: bool = False, overrides_source: str = "command_line",
                 override_origins: dict[str, str] | None = None) -> Recipe:
@@ -503,45 +512,48 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
     values.update(cli)
     sources = {"parameters": parameters, overrides_source: cli}
     set_by = {**{key: f" (set in {parameters_origin})" for key in parameters},
-              **{key: f" (set in {override_origins[key]})" if key in (override_origins or {}) else "" for key in cli}}
+              **{key: f" (set in {override_origins[key]})" if key in (override_origins or {})
+                 else _where_an_override_is_set(key, overrides_source) for key in cli}}
 
     missing_env: list[str] = []
     values = {key: interpolate_env(value, missing_env) for key, value in values.items()}
 
     owners = recipe_field_owners()
     hints = {cls: _type_hints(cls) for cls in RECIPE_DATACLASSES}
-    problems: list[str] = []
+    problems: list[tuple[str | None, str]] = []  # (the key it is about, if one; the problem)
     if missing_env:
         names = ", ".join(sorted(set(missing_env)))
-        problems.append(f"environment variable(s) {names} are not set: export them or write ${{VAR:-default}}")
+        problems.append((None, f"environment variable(s) {names} are not set: export them or write "
+                               "${VAR:-default}"))
     kwargs: dict[type, dict[str, Any]] = {cls: {} for cls in RECIPE_DATACLASSES}
     for key, value in values.items():
-        origin = set_by.get(key, "")  # names the parameters file when the key came from there
+        origin = set_by.get(key, "")  # names the override or parameters file when the key came from there
         if key in SECRET_KEYS:
-            problems.append(f"'{key}' must not be written in a recipe{origin}: set the {SECRET_KEYS[key]} "
-                            "environment variable")
+            problems.append((key, f"'{key}' must not be written in a recipe{origin}: set the {SECRET_KEYS[key]} "
+                                  "environment variable"))
             continue
         if key not in owners:
             close = difflib.get_close_matches(key, owners.keys(), n=3, cutoff=0.6)
             hint = (f"; did you mean {', '.join(repr(c) for c in close)}?" if close else
                     ": remove it, or use a field of DataArguments, ModelArguments or TrainingArguments "
                     "(src/sft_recipes/config.py)")
-            problems.append(f"unknown key '{key}'{origin}{hint}")
+            problems.append((key, f"unknown key '{key}'{origin}{hint}"))
             continue
         for cls in owners[key]:
             try:
                 kwargs[cls][key] = _coerce(value, hints[cls][key])
             except TypeError as err:
-                bare = f" (a bare --{key} reads as true: give it a value)" if value is True else ""
-                problems.append(f"'{key}' must be {err}, got {value!r} ({type(value).__name__}){origin}{bare}")
+                if value is True and origin == _where_an_override_is_set(key, "command_line"):
+                    origin = f" (a bare --{key} reads as true: give it a value)"
+                problems.append((key, f"'{key}' must be {err}, got {value!r} ({type(value).__name__}){origin}"))
                 break
         else:
-            problems += [problem + origin for problem in range_problems({key: kwargs[owners[key][0]][key]})]
+            problems += [(key, problem + origin) for problem in range_problems({key: kwargs[owners[key][0]][key]})]
     if problems:
-        listed = "; ".join(problems)
+        listed = "; ".join(problem for _, problem in problems)
         end = "" if listed.endswith("?") else "."  # a last problem that asks 'did you mean ...?' ends its sentence
-        fix = ("Fix each where it is set (in parentheses), else in " + str(path) if override_origins
-               else f"Fix these in {path} or in the --key overrides")
+        fix = (f"Fix each where it is set (in parentheses), else in {path}"
+               if any(set_by.get(key) for key, _ in problems if key) else f"Fix these in {path}")
         raise RecipeError(f"{path}: {listed}{end} {fix}.")
 
     if planning and "use_cpu" not in values:
