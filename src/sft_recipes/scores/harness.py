@@ -130,16 +130,15 @@ def data_parallel_hflm(model, tokenizer, settings: EvalSettings, accelerator=Non
 
     data_parallel = accelerator is not None and accelerator.num_processes > 1
     hflm_logger = logging.getLogger(HFLM.__module__)
-    # under a launch, HFLM's two warnings on a model instance ("Please do not launch via accelerate", "assuming
-    # single-process call") are untrue on every rank: the attributes below make it data-parallel
-    filtered = _DropMessages("is not of type `str`", "assuming single-process call") if data_parallel else None
-    if filtered:
-        hflm_logger.addFilter(filtered)
+    # HFLM's warning on a model instance ("other model arguments may be ignored. Please do not launch via accelerate")
+    # is untrue here: we pass no argument it ignores, and the attributes below make a launch data-parallel. Its
+    # "assuming single-process call" is untrue only under a launch.
+    filtered = _DropMessages("is not of type `str`", *(("assuming single-process call",) if data_parallel else ()))
+    hflm_logger.addFilter(filtered)
     try:
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
     finally:
-        if filtered:
-            hflm_logger.removeFilter(filtered)
+        hflm_logger.removeFilter(filtered)
     if data_parallel:
         lm.accelerator = accelerator
         lm._rank, lm._world_size = accelerator.process_index, accelerator.num_processes
