@@ -43,28 +43,61 @@ class Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def test_kernel_fall_backs_are_one_line(capsys):
+def _warn_kernel_fall_backs(logger):
+    for kernel, package in (("causal_conv1d_fn", "causal_conv1d"), ("chunk_gated_delta_rule", "flash-linear-attention"),
+                            ("causal_conv1d_update", "causal_conv1d")):  # transformers 5.23's words
+        logger.warning("`%s` is falling back to its reference PyTorch implementation because `%s` is not "
+                       "installed. This is correct but much slower; install `%s` for the optimized kernel.",
+                       kernel, package, package)
+
+
+def test_kernel_fall_backs_are_one_line_per_run(capsys):
+    """Each run (two train() calls in one process, or a chat after a run) says its lines, through one filter."""
     logger, records = logging.getLogger(KERNELS_LOGGER), Records()
     level, filters = logger.level, logger.filters[:]
     logger.setLevel(logging.WARNING)  # whatever verbosity an earlier test left transformers' loggers at
-    logger.filters.clear()  # a chat or samples run earlier in this process left its filter, which said its line then
-    one_line = one_kernel_fallback_line()
     logger.addHandler(records)
     try:
-        for kernel, package in (("causal_conv1d_fn", "causal_conv1d"), ("chunk_gated_delta_rule", "flash-linear-attention"),
-                                ("causal_conv1d_update", "causal_conv1d")):  # transformers 5.23's words
-            logger.warning("`%s` is falling back to its reference PyTorch implementation because `%s` is not "
-                           "installed. This is correct but much slower; install `%s` for the optimized kernel.",
-                           kernel, package, package)
+        for _ in range(2):
+            one_kernel_fallback_line()
+            _warn_kernel_fall_backs(logger)
         logger.warning("another warning")
+        installed = logger.filters[:]
     finally:
-        logger.removeFilter(one_line)
         logger.removeHandler(records)
         logger.setLevel(level)
         logger.filters[:] = filters
+    assert sum(type(installed_filter).__name__ == "_OneLinePerKernelPackage" for installed_filter in installed) == 1
     assert records.messages == ["another warning"]
-    assert capsys.readouterr().err.splitlines() == [
+    assert capsys.readouterr().err.splitlines() == 2 * [
         "[kernels] causal_conv1d is not installed (GPU kernels): their reference PyTorch implementations run "
         "(correct, slower)",
         "[kernels] flash-linear-attention is not installed (GPU kernels): their reference PyTorch implementations run "
         "(correct, slower)"]
+
+
+def test_other_ranks_drop_the_kernel_fall_backs_once_per_process(monkeypatch):
+    import datasets
+    import transformers
+
+    from sft_recipes.reporting.console import one_voice
+
+    for module, quieting in ((datasets, "disable_progress_bars"), (datasets.logging, "set_verbosity_warning"),
+                             (transformers.utils.logging, "disable_progress_bar"),
+                             (transformers.utils.logging, "set_verbosity_warning")):
+        monkeypatch.setattr(module, quieting, lambda: None)  # the rest of this process's tests keep their bars
+    logger, records = logging.getLogger(KERNELS_LOGGER), Records()
+    level, filters = logger.level, logger.filters[:]
+    logger.setLevel(logging.WARNING)
+    logger.addHandler(records)
+    try:
+        for _ in range(2):  # two runs in one rank-1 process
+            one_voice(rank=1)
+        _warn_kernel_fall_backs(logger)
+        logger.warning("another warning")
+        added = len(logger.filters) - len(filters)
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+        logger.filters[:] = filters
+    assert (added, records.messages) == (1, ["another warning"])

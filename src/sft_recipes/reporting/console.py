@@ -33,7 +33,7 @@ from pathlib import Path
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from sft_recipes.errors import forget_refusal_hooks, on_refusal
-from sft_recipes.reporting.replies import KERNEL_FALLBACK, KERNELS_LOGGER, one_kernel_fallback_line
+from sft_recipes.reporting.replies import KERNELS_LOGGER, drop_kernel_fallbacks, one_kernel_fallback_line
 
 TRAIN_LOG = "train.log"
 
@@ -54,7 +54,7 @@ def one_voice(rank: int | None = None) -> None:
     datasets.logging.set_verbosity_warning()
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_warning()
-    logging.getLogger(KERNELS_LOGGER).addFilter(lambda record: KERNEL_FALLBACK not in record.getMessage())
+    logging.getLogger(KERNELS_LOGGER).addFilter(drop_kernel_fallbacks)
 
 
 # ── One line per logging step ────────────────────────────────────────────────────────────────────

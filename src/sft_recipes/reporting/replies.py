@@ -66,7 +66,16 @@ class _OneLinePerKernelPackage(logging.Filter):
 
 def one_kernel_fallback_line() -> logging.Filter:
     """From now on transformers' kernel fall-back warnings are one line per missing package, said at its first
-    (the filter returned)."""
+    (the filter returned). It replaces an earlier run's filter in this process (a second train() call): that one
+    would drop the new run's lines as already said."""
+    logger = logging.getLogger(KERNELS_LOGGER)
+    for earlier in [installed for installed in logger.filters if isinstance(installed, _OneLinePerKernelPackage)]:
+        logger.removeFilter(earlier)
     one_line = _OneLinePerKernelPackage()
-    logging.getLogger(KERNELS_LOGGER).addFilter(one_line)
+    logger.addFilter(one_line)
     return one_line
+
+
+def drop_kernel_fallbacks(record: logging.LogRecord) -> bool:
+    """A rank > 0's filter: rank 0 says the kernel fall-backs (one function, so a second run adds it once)."""
+    return KERNEL_FALLBACK not in record.getMessage()
