@@ -25,11 +25,10 @@ from pathlib import Path
 
 import torch
 
+from sft_recipes.command_line import OneLineParser, non_negative_float, positive_int
 from sft_recipes.data.masking import check_renders_tools
 from sft_recipes.data.tools import ToolDataError, parsed_tools
-from sft_recipes.reporting.load_export import (
-    OneLineParser, export_kind, load_export, non_negative_float, positive_int,
-)
+from sft_recipes.reporting.load_export import export_kind, load_export
 from sft_recipes.reporting.replies import ReplyStreamer, one_kernel_fallback_line, shown_reply
 
 

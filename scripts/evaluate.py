@@ -25,7 +25,6 @@ import contextlib
 import importlib.util
 import json
 import logging
-import os
 import re
 import sys
 import tempfile
@@ -36,8 +35,8 @@ from sft_recipes.environment import set_runtime_defaults
 
 set_runtime_defaults()
 
-from sft_recipes.errors import REFUSED_EXIT_CODE, RecipeError
-from sft_recipes.reporting.load_export import OneLineParser
+from sft_recipes.command_line import OneLineParser
+from sft_recipes.errors import RecipeError, one_line_refusals
 
 RESULTS_FILE = "benchmark_results.json"
 BACKENDS = {"hf": "transformers, in this process or in every process of the launch",
@@ -226,20 +225,5 @@ def main_then_tear_down() -> int:
         return main()
 
 
-def refused_in_one_line(main_function) -> int:
-    """A RecipeError as one `error:` line (rank 0's) and exit 2 on every rank, as `errors.one_line_refusals` does,
-    without the blank line it puts above the line for a training run's unfinished progress bar: this script
-    refuses before lm-eval draws one, so the line follows the log lines directly."""
-    from sft_recipes.refusal_exit import refusing_together
-
-    try:
-        return main_function()
-    except RecipeError as err:
-        with refusing_together(REFUSED_EXIT_CODE):  # no rank of a launch is stopped by the launcher before it exits 2
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(f"error: {err}", file=sys.stderr, flush=True)
-        return REFUSED_EXIT_CODE
-
-
 if __name__ == "__main__":
-    sys.exit(refused_in_one_line(main_then_tear_down))  # the `error:` line, if any, is the last thing written
+    sys.exit(one_line_refusals(main_then_tear_down))  # the `error:` line, if any, is the last thing written

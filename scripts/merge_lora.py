@@ -19,12 +19,16 @@ import shutil
 import sys
 from pathlib import Path
 
+from sft_recipes.command_line import OneLineParser
+from sft_recipes.errors import RecipeError, one_line_refusals
 from sft_recipes.loading import DTYPES
+from sft_recipes.reporting.load_export import ADAPTER_CONFIG, output_dir_refusal
 from sft_recipes.merge import merge_checkpoint, verify_merge
 
 
 def parse_command_line(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="scripts/merge_lora.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("adapter_dir", type=Path, help="PEFT adapter (adapter_config.json + adapter_model.safetensors)")
     parser.add_argument("out_dir", type=Path, help="where the merged checkpoint goes (must not exist)")
     parser.add_argument("--base", help="base checkpoint dir or Hub id (default: the adapter's base_model_name_or_path)")
@@ -35,10 +39,13 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
 
 def resolve_base(adapter_dir: Path, base: str | None) -> Path:
     """A local directory holding the base checkpoint (downloaded from the Hub if it is a repo id)."""
-    adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    if not (adapter_dir / ADAPTER_CONFIG).is_file():
+        raise RecipeError(output_dir_refusal(adapter_dir, f"holds no LoRA adapter (no {ADAPTER_CONFIG}; a full "
+                                             "fine-tune's export needs no merge)"))
+    adapter_config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
     name = base or adapter_config.get("base_model_name_or_path")
     if not name:
-        raise ValueError(f"{adapter_dir}/adapter_config.json names no base model: pass --base PATH_OR_HUB_ID.")
+        raise RecipeError(f"{adapter_dir}/{ADAPTER_CONFIG} names no base model: pass --base PATH_OR_HUB_ID.")
     if Path(name).is_dir():
         return Path(name)
     from huggingface_hub import snapshot_download
@@ -52,14 +59,17 @@ def resolve_base(adapter_dir: Path, base: str | None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = parse_command_line(sys.argv[1:] if argv is None else argv)
     if args.out_dir.exists():
-        print(f"error: {args.out_dir} exists; choose a new OUT_DIR.", file=sys.stderr)
-        return 2
+        raise RecipeError(f"{args.out_dir} exists: choose a new OUT_DIR.")
     dtype = DTYPES[args.dtype]
     base_dir = resolve_base(args.adapter_dir, args.base)
     staging = args.out_dir.with_name(args.out_dir.name + ".incomplete")
     shutil.rmtree(staging, ignore_errors=True)
 
-    report = merge_checkpoint(base_dir, args.adapter_dir, staging, dtype)
+    try:
+        report = merge_checkpoint(base_dir, args.adapter_dir, staging, dtype)
+    except ValueError as err:  # the adapter does not fit this base: its message names the fix (--base)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise RecipeError(str(err)) from None
     print(f"[merge] {report.merged} LoRA targets ({report.expert_stacks} expert stacks) merged into "
           f"{report.shards} shard(s) of {base_dir}", flush=True)
     check = verify_merge(base_dir, args.adapter_dir, staging, dtype, args.device_map)
@@ -75,4 +85,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(one_line_refusals(main))

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from sft_recipes.errors import REFUSED_EXIT_CODE, RecipeError
+from sft_recipes.command_line import OneLineParser
+from sft_recipes.errors import RecipeError, one_line_refusals
 from sft_recipes.reporting.export_check import ExportCheck
-from sft_recipes.reporting.load_export import OneLineParser, export_kind, load_export, output_dir_refusal
+from sft_recipes.reporting.load_export import export_kind, load_export, output_dir_refusal
 from sft_recipes.reporting.samples import PROMPT_STYLES, prompt_ids
 
 
@@ -29,11 +30,7 @@ def main(argv: list[str] | None = None) -> int:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("output_dir", help="a finished run's output_dir, e.g. outputs/demo")
     args = parser.parse_args(argv)
-    try:
-        return show(Path(args.output_dir))
-    except RecipeError as err:  # one process, nothing drawn before: the line needs no blank line above it
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return REFUSED_EXIT_CODE
+    return one_line_refusals(lambda: show(Path(args.output_dir)))
 
 
 def show(out: Path) -> int:

@@ -90,7 +90,7 @@ def test_a_train_log_on_a_full_disk_leaves_the_refusal_on_the_console_and_exit_2
         assert one_line_refusals(save) == 2
     finally:
         forget_refusal_hooks()
-    assert console.getvalue() == ("step 6/6 | loss 5.1000\n\nerror: The disk filled while saving checkpoint-6: ... "
+    assert console.getvalue() == ("step 6/6 | loss 5.1000\nerror: The disk filled while saving checkpoint-6: ... "
                                   "Free space there and resume.\n")
     monkeypatch.setattr(sys, "stderr", console)
     del log

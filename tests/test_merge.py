@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from conftest import REPO_ROOT
 from sft_recipes import merge
 from sft_recipes.config import load_recipe
+from sft_recipes.errors import one_line_refusals
 from sft_recipes.lora import apply_lora, build_lora_config
 from sft_recipes.merge import LoraUpdate, merge_checkpoint, merged_weight
 from sft_recipes.tiny import ensure_tiny
@@ -119,6 +121,38 @@ def test_cli_writes_a_verified_bf16_model(trained_adapter, tmp_path, capsys):
     merged = AutoModelForCausalLM.from_pretrained(out_dir)  # plain transformers, no peft
     assert merged.dtype == torch.bfloat16 and "quantization_config" not in json.loads((out_dir / "config.json").read_text())
     assert (out_dir / "tokenizer.json").is_file()
+
+
+def test_cli_refuses_wrong_folders_and_options_in_one_line(trained_adapter, tmp_path, capsys):
+    base_dir, adapter_dir, _ = trained_adapter
+    script, missing, taken = load_merge_script(), tmp_path / "nope", tmp_path / "taken"
+    taken.mkdir()
+    other_base = tmp_path / "other"
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    model.save_pretrained(other_base, state_dict={k: v for k, v in model.state_dict().items()
+                                                  if "experts.down_proj" not in k})
+    capsys.readouterr()  # the progress bars of making the other base
+    refusals = {
+        (str(missing), str(tmp_path / "m1")): f"error: {missing} is not a folder here: pass the output_dir of a "
+                                               "finished run",
+        (str(base_dir), str(tmp_path / "m2")): f"error: {base_dir} holds no LoRA adapter (no adapter_config.json; a "
+                                                "full fine-tune's export needs no merge): pass the output_dir of a "
+                                                "finished run",
+        (str(adapter_dir), str(taken)): f"error: {taken} exists: choose a new OUT_DIR.",
+    }
+    for args, line in refusals.items():
+        assert one_line_refusals(lambda: script.main(list(args))) == 2
+        assert capsys.readouterr().err == line + "\n"
+    assert one_line_refusals(lambda: script.main([str(adapter_dir), str(tmp_path / "m3"), "--base",
+                                                  str(other_base)])) == 2
+    assert re.fullmatch(r"error: 2 LoRA target\(s\) are not in the base checkpoint .*--base.*\n",
+                        capsys.readouterr().err)
+    with pytest.raises(SystemExit) as refused:
+        script.main([str(adapter_dir), str(tmp_path / "m4"), "--dtype", "float16"])
+    assert (refused.value.code, capsys.readouterr().err) == (
+        2, "error: argument --dtype: invalid choice: 'float16' (choose from 'bfloat16', 'float32') "
+           "(see scripts/merge_lora.py --help)\n")
+    assert not any(tmp_path.glob("m[1-4]*"))
 
 
 def test_cli_rejects_a_merge_that_does_not_reproduce_the_adapter(trained_adapter, tmp_path, monkeypatch, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 
@@ -22,7 +23,35 @@ def test_a_recipe_error_becomes_one_line_and_exit_2(capsys, monkeypatch):
         raise RecipeError("output_dir x holds checkpoints of another recipe: use another output_dir")
 
     assert one_line_refusals(refuse) == REFUSED_EXIT_CODE
-    assert capsys.readouterr().err == "\nerror: output_dir x holds checkpoints of another recipe: use another output_dir\n"
+    assert capsys.readouterr().err == "error: output_dir x holds checkpoints of another recipe: use another output_dir\n"
+
+
+def test_the_refusal_line_starts_a_line_of_its_own_after_an_open_progress_bar(capsys, monkeypatch):
+    """A bar still drawing ends its line in a carriage return: the `error:` line goes below it, not over it."""
+    from datasets.utils.tqdm import tqdm as datasets_bar
+
+    monkeypatch.setenv("RANK", "0")
+    bar = datasets_bar(total=4, desc="Tokenizing", file=sys.stderr)
+    try:
+        assert one_line_refusals(lambda: (_ for _ in ()).throw(RecipeError("bad"))) == REFUSED_EXIT_CODE
+    finally:
+        bar.close()
+    before, _ = capsys.readouterr().err.split("error: bad\n")
+    last_frame = before.rsplit("\r", 1)[-1]  # a bar redraws its line after a carriage return
+    assert last_frame.startswith("Tokenizing:") and last_frame.endswith("it/s]\n"), before
+
+
+@pytest.mark.parametrize("rank, printed", [("0", "error: unrecognized arguments: --stepz 3 (see scripts/x.py --help)\n"),
+                                            ("1", "")])
+def test_a_wrong_command_line_is_one_line_from_rank_0_and_exit_2(capsys, monkeypatch, rank, printed):
+    from sft_recipes.command_line import OneLineParser
+
+    monkeypatch.setenv("RANK", rank)
+    parser = OneLineParser(prog="scripts/x.py")
+    parser.add_argument("--steps", type=int)
+    with pytest.raises(SystemExit) as refused:
+        parser.parse_args(["--stepz", "3"])
+    assert (refused.value.code, capsys.readouterr()) == (2, ("", printed))
 
 
 def test_only_rank_0_prints_the_refusal(capsys, monkeypatch):
@@ -72,6 +101,16 @@ def test_under_accelerate_launch_one_rank_prints_and_every_rank_exits_2(tmp_path
     log = (tmp_path / "out" / "train.log").read_text().splitlines()
     assert errors[0] in log and "ChildFailedError" not in "\n".join(log)
     assert [line for line in log if line.startswith("[rank ")] == [f"[rank 1] {errors[0]}"], log
+
+
+@pytest.mark.fsdp
+def test_a_wrong_option_of_the_script_is_one_line_and_exit_2_on_every_rank(tmp_path):
+    """argparse's own refusal was its usage block and `sft.py: error: ...` from every rank."""
+    result = launch_sft(TINY_LLAMA_RECIPE, "--audit-data", "0", "--output_dir", str(tmp_path / "out"), check=False)
+    assert [line for line in result.stderr.splitlines() if line.startswith(("error", "usage", "sft.py"))] == [
+        "error: argument --audit-data: 0 is not a whole number >= 1: give how many conversations to show"]
+    assert re.findall(r"exitcode  : (-?\d+)", result.stderr) == ["2", "2"]
+    assert not (tmp_path / "out").exists()
 
 
 def _refusal(path, overrides=()) -> str:

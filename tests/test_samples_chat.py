@@ -18,6 +18,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO_ROOT, bin_path, free_port, run_command
+from sft_recipes.errors import one_line_refusals
 from sft_recipes.reporting.load_export import export_kind, load_export
 from sft_recipes.config import load_recipe
 from sft_recipes.data.formats import FORMATS, Tokenization
@@ -360,7 +361,7 @@ def test_a_folder_that_is_not_a_run_is_named_for_what_it_is(finished_run, tmp_pa
         elif script is show:
             code = show.main([str(folder)])
         else:
-            code = evaluate.refused_in_one_line(lambda: evaluate.main([str(folder), "--tasks", "alpaca_answers"]))
+            code = one_line_refusals(lambda: evaluate.main([str(folder), "--tasks", "alpaca_answers"]))
         assert (code, capsys.readouterr().err) == (2, line + "\n")
 
 

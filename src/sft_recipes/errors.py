@@ -43,10 +43,24 @@ def one_line_refusals(main: Callable[[], int]) -> int:
     try:
         return main()
     except RecipeError as err:
-        with refusing_together(REFUSED_EXIT_CODE):  # no rank is stopped by the launcher before it exits 2
-            if int(os.environ.get("RANK", "0")) == 0:
-                # On a line of its own, even after a progress bar that ended with a carriage return and no newline.
-                print(f"\nerror: {err}", file=sys.stderr, flush=True)
-            for hook in _REFUSAL_HOOKS:
-                hook(f"error: {err}")
-        return REFUSED_EXIT_CODE
+        return refuse(str(err))
+
+
+def refuse(problem_and_fix: str) -> int:
+    """Print `error: <problem_and_fix>` (rank 0's) and return the exit code, once every rank refused too."""
+    with refusing_together(REFUSED_EXIT_CODE):  # no rank is stopped by the launcher before it exits 2
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{_end_an_open_progress_bar()}error: {problem_and_fix}", file=sys.stderr, flush=True)
+        for hook in _REFUSAL_HOOKS:
+            hook(f"error: {problem_and_fix}")
+    return REFUSED_EXIT_CODE
+
+
+def _end_an_open_progress_bar() -> str:
+    """A newline when a progress bar is still open (its line ends in a carriage return, not a newline), so that the
+    `error:` line stands on a line of its own; nothing otherwise, so that it follows the last line directly."""
+    tqdm_module = sys.modules.get("tqdm")  # no tqdm imported: no bar drawn
+    if tqdm_module is None:
+        return ""
+    open_bars = getattr(tqdm_module.tqdm, "_instances", None)  # every tqdm subclass's bars (datasets', Trainer's)
+    return "\n" if open_bars is None or len(open_bars) else ""

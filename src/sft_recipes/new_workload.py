@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from sft_recipes.command_line import OneLineParser, positive_int
 from sft_recipes.config import read_recipe_file
 from sft_recipes.errors import RecipeError, one_line_refusals
 from sft_recipes.launch import read_accelerate_config
@@ -113,11 +114,12 @@ _Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sft_recipes.new_workload", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m sft_recipes.new_workload", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe", help="your recipe, inside this repository (the workload uploads it)")
     parser.add_argument("--accelerator", required=True, choices=tuple(GPUS_PER_NODE), help="compute.accelerator_type")
-    parser.add_argument("--nodes", type=int, default=1, help="nodes of that type (default 1)")
+    parser.add_argument("--nodes", type=positive_int("the number of nodes (default 1)"), default=1,
+                        help="nodes of that type (default 1)")
     parser.add_argument("--output-dir", help="parameters.output_dir, on a volume: /Volumes/<catalog>/<schema>/<volume>/...")
     parser.add_argument("--hf-token-secret", help="your Databricks secret's scope/key holding a Hugging Face token")
     parser.add_argument("--model-config", help="plan the check on this config.json (default: the Hugging Face cache)")

@@ -65,6 +65,7 @@ from pathlib import Path
 
 import yaml
 
+from sft_recipes.command_line import OneLineParser
 from sft_recipes.config import PARAMETERS_ENV, without_overridden_batch_keys
 from sft_recipes.errors import RecipeError
 from sft_recipes.launch import AccelerateConfig, read_accelerate_config
@@ -667,8 +668,8 @@ def dry_run_as_the_workload(path: str | Path, overrides: list[str]) -> tuple[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sft_recipes.workload", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m sft_recipes.workload", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="check workload files offline; exit 2 on any error")
     check.add_argument("workloads", nargs="+")

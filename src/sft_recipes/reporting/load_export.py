@@ -2,14 +2,12 @@
 
 The scripts that read an output folder (scripts/chat.py, show_run.py, evaluate.py) refuse a wrong one in one
 `error:` line that says what the folder is -- not a folder here, a Trainer checkpoint inside a run's output_dir
-(`output_dir_refusal`) -- and refuse a wrong option the same way (`OneLineParser`).
+(`output_dir_refusal`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import re
 from pathlib import Path
 
@@ -50,45 +48,6 @@ def output_dir_refusal(path: str | Path, lacks: str, command: str | None = None)
                 f"yet (the run did not finish): rerun the run's command, which resumes from its last checkpoint, then "
                 f"{retry(run)}")
     return f"{path} {lacks}: {pass_a_run}"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose refusal of a wrong command line is one `error:` line and exit 2, without the usage block
-    (--help prints it). The argument types below end their messages with the fix; argparse's own point at --help."""
-
-    def error(self, message: str):
-        fix = "" if ": give " in message else f" (see {self.prog} --help)"
-        self.exit(2, f"error: {message}{fix}\n")
-
-
-def positive_int(fix: str):
-    """An argparse type: a whole number >= 1; `fix` says what to give, e.g. "the most tokens (default 256)"."""
-
-    def whole_number_at_least_one(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{text} is not a whole number >= 1: give {fix}")
-        return value
-
-    return whole_number_at_least_one
-
-
-def non_negative_float(fix: str):
-    """An argparse type: a finite number >= 0; `fix` says what to give."""
-
-    def number_at_least_zero(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and value >= 0):
-            raise argparse.ArgumentTypeError(f"{text} is not a number >= 0: give {fix}")
-        return value
-
-    return number_at_least_zero
 
 
 def export_kind(output_dir: str | Path, command: str | None = None) -> str:
