@@ -7,6 +7,7 @@ import json
 import shutil
 import warnings
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,11 +149,22 @@ def test_a_bare_json_file_and_a_tiny_stand_in_load():
     assert read_model_config("tiny:qwen3_5", download=False).get_text_config().hidden_size == 64
 
 
+def _written(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
 @pytest.mark.parametrize(
     ("make_path", "message"),
     [
         (lambda tmp: tmp / "missing" / "config.json", "does not exist"),
         (lambda tmp: tmp, "has no config.json"),
+        (lambda tmp: REPO_ROOT / "data" / "samples" / "alpaca.jsonl",
+         r"alpaca.jsonl is not a model config transformers \S+ reads \(It looks like the config file at .* is not a "
+         r"valid JSON file.\): point model_name_or_path at a model's config.json or its directory.$"),
+        (lambda tmp: _written(tmp / "config.json", '{"model_type": "nosuch"}'),
+         r"config.json is not a model config transformers \S+ reads \(The checkpoint you are trying to load has model "
+         r"type `nosuch` but Transformers does not recognize this architecture. [^\n]*\): point"),
         (lambda tmp: "sft-recipes-tests/not-a-cached-model", "hf download"),
     ],
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 
 import pytest
 
@@ -66,6 +67,44 @@ def test_multi_node_suggestions_are_the_command_every_node_runs(tmp_path):
                             ("--per_device_train_batch_size", "2"), "accelerate_configs/hsdp_2node.yaml") == [
         "scripts/launch_multinode.sh accelerate_configs/hsdp_2node.yaml recipes/llama8b.yaml "
         "--per_device_train_batch_size 2"]
+
+
+def test_a_suggestion_with_shorter_blocks_plans_what_it_says_when_launched_as_printed(tmp_path):
+    """Nothing fits 1M-token blocks, so the suggestions shorten them; llama8b states its global batch in sequences
+    (128), so the printed launch says the new count (--global_batch_size), and states each key once."""
+    text, plan = dry_run(tmp_path, "llama8b.yaml", LLAMA_8B, "fsdp2_2node.yaml", "--max_length", "1000000")
+    shortened = [option for option in plan["suggestions"] if option["max_length"] < 1_000_000]
+    assert shortened and all(option["accelerate_config"] in (None, "accelerate_configs/hsdp_2node.yaml")
+                             for option in shortened)
+    for option in shortened:
+        [printed] = [line.strip() for line in text.splitlines() if line.strip().endswith(" ".join(option["overrides"]))
+                     and f"{option['accelerate_config'] or 'fsdp2_2node.yaml'} recipes/llama8b.yaml" in line]
+        arguments = printed.split(" recipes/llama8b.yaml ", 1)[1].split()
+        assert arguments.count("--max_length") == 1, printed
+        config = (option["accelerate_config"] or "accelerate_configs/fsdp2_2node.yaml").removeprefix("accelerate_configs/")
+        _, launched = dry_run(tmp_path / "launched", "llama8b.yaml", LLAMA_8B, config,
+                              *arguments[arguments.index("--model_name_or_path") + 2:])
+        assert (launched["sequences_per_step"], launched["setup"]["seq_len"], launched["setup"]["micro_batch_size"]) \
+            == (option["sequences_per_step"], option["max_length"], option["micro_batch_size"])
+        assert launched["sequences_per_step"] * option["max_length"] == 128 * 1_000_000  # the recipe's tokens per step
+
+
+def test_a_printed_launch_keeps_a_value_with_spaces_as_one_argument(tmp_path):
+    datasets = "[{path: data/samples/ultrachat.jsonl, dataset_format: messages}]"
+    text, _ = dry_run(tmp_path, "llama8b.yaml", LLAMA_8B, "fsdp2_2node.yaml", "--max_length", "1000000",
+                      "--datasets", datasets, "--dataset_name", "null")
+    printed = [line.strip() for line in text.splitlines() if "recipes/llama8b.yaml" in line]
+    assert printed and all(shlex.split(line)[shlex.split(line).index("--datasets") + 1] == datasets for line in printed)
+
+
+def test_a_plan_json_path_is_made_or_refused_in_one_line(tmp_path):
+    dry_run(tmp_path / "new" / "folder", "llama8b.yaml", LLAMA_8B, "fsdp2_2node.yaml")  # its folder is made
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(RecipeError) as refused:
+        plan_dry_run("recipes/llama8b.yaml", ["--model_name_or_path", LLAMA_8B], "accelerate_configs/fsdp2_2node.yaml",
+                     plan_json=str(tmp_path / "a_file" / "plan.json"))
+    assert str(refused.value) == (f"--plan-json {tmp_path}/a_file/plan.json cannot be written (File exists: "
+                                  f"{tmp_path}/a_file): pass a file path in a folder you can write to.")
 
 
 def test_one_node_suggestions_stay_accelerate_launch(tmp_path):

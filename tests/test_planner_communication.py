@@ -230,7 +230,7 @@ def test_no_suggestion_is_a_sequence_parallel_size_the_run_refuses():
     plan = plan_recipe(loaded, accelerate_config, 16, replicate_size=2)
     # Unfiltered, SP 2 is among the fastest layouts that fit 2 x 8 B300 (the control) ...
     unfiltered = layout_report(read_model_config(QWEN_27B, download=False), plan.counts, plan.setup, 2, "B300",
-                               Links.for_gpu("B300"), "accelerate_configs/hsdp_2node.yaml", True)
+                               Links.for_gpu("B300"), "accelerate_configs/hsdp_2node.yaml", "global_batch_size")
     assert any(o.setup.sequence_parallel_size > 1 for o in unfiltered.suggestions)
     # ... but this run refuses SP on image data, so the dry run suggests none.
     report = plan_layouts(loaded, plan, accelerate_config, "accelerate_configs/hsdp_2node.yaml", 2, "B300", None, None)

@@ -36,7 +36,14 @@ def read_model_config(model_name_or_path: str | Path, revision: str | None = Non
             raise RecipeError(
                 f"{path} has no config.json: point model_name_or_path at a model directory or a config file."
             )
-        return AutoConfig.from_pretrained(str(path))
+        try:
+            return AutoConfig.from_pretrained(str(path))
+        except (OSError, ValueError) as error:  # not JSON; no or an unknown model_type (a paragraph: its first line)
+            raise RecipeError(
+                f"{path} is not a model config transformers {transformers.__version__} reads "
+                f"({str(error).strip().splitlines()[0]}): point model_name_or_path at a model's config.json or its "
+                "directory."
+            ) from None
     if path.suffix == ".json" or name.startswith((".", "/", "~")):
         raise RecipeError(f"Model config {path} does not exist: fix model_name_or_path.")
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,7 +64,12 @@ def _dry_run_text(recipe_path: str, overrides: list[str], accelerate_config: Acc
         config = read_model_config(model_args.model_name_or_path, model_args.model_revision, download=False)
         text = "\n".join([*vision_plan_lines(recipe, config, world_size), text])
     if plan_json:
-        Path(plan_json).write_text(json.dumps({**plan.to_dict(), **layouts.to_dict()}, indent=2))
+        try:
+            Path(plan_json).parent.mkdir(parents=True, exist_ok=True)
+            Path(plan_json).write_text(json.dumps({**plan.to_dict(), **layouts.to_dict()}, indent=2))
+        except OSError as err:  # e.g. a folder on its path is a file, or is not writable
+            raise RecipeError(f"--plan-json {plan_json} cannot be written ({err.strerror}: {err.filename}): pass a "
+                              "file path in a folder you can write to.") from None
         text += f"\nplan written to {plan_json}"
     return text
 
@@ -73,7 +79,7 @@ def launch_command(config_name: str | Path, recipe_path: str, overrides: list[st
     node runs (scripts/launch_multinode.sh, which `make llama-multinode` and the workloads' command run too)."""
     launcher = f"scripts/launch_multinode.sh {config_name}" if nodes > 1 else \
         f".venv/bin/accelerate launch --config_file {config_name} scripts/sft.py"
-    return f"{launcher} {recipe_path} {' '.join(overrides)}".rstrip()
+    return f"{launcher} {shlex.join([recipe_path, *overrides])}"  # a YAML value with spaces stays one argument
 
 
 def plan_layouts(recipe: Recipe, plan: Plan, accelerate_config: AccelerateConfig | None, config_name: str | Path | None,
@@ -100,10 +106,11 @@ def plan_layouts(recipe: Recipe, plan: Plan, accelerate_config: AccelerateConfig
     fsdp = accelerate_config.fsdp if accelerate_config else {}
     reshard = str(fsdp.get("fsdp_reshard_after_forward", True)).lower() == "true"
     t = recipe.training
+    from sft_recipes.config import GLOBAL_BATCH_KEYS
     from sft_recipes.lint import LintContext, sequence_parallel_sizes_the_recipe_takes
 
     sequence_parallel_sizes = sequence_parallel_sizes_the_recipe_takes(  # never suggest a size the run refuses
         recipe, LintContext(setup.world_size, True, lambda: config), list(range(1, setup.world_size // nodes + 1)))
     return layout_report(config, plan.counts, setup, nodes, gpu, links, str(config_name) if config_name else None,
-                         t.global_batch_size is not None or t.global_batch_tokens is not None, reshard,
+                         next((key for key in GLOBAL_BATCH_KEYS if getattr(t, key) is not None), None), reshard,
                          sequence_parallel_sizes, t.plan_memory_headroom_gib)

@@ -97,11 +97,15 @@ def hsdp_config_name(layout: MeshLayout, base_config: str | None) -> str:
             f"parallelism_config_dp_shard_size: {layout.shard}}}")
 
 
-def _overrides(current: TrainingSetup, option: TrainingSetup, global_batch_in_recipe: bool) -> tuple[str, ...]:
-    """scripts/sft.py flags turning ``current`` into ``option`` (recipe keys only; the layout is the config's)."""
+def _overrides(current: TrainingSetup, option: TrainingSetup, global_batch_in_recipe: str | None) -> tuple[str, ...]:
+    """scripts/sft.py flags turning ``current`` into ``option`` (recipe keys only; the layout is the config's).
+    ``global_batch_in_recipe``: the key the recipe states its global batch with, if any (the accumulation follows)."""
     flags = []
     if option.seq_len != current.seq_len:
         flags += ["--max_length", str(option.seq_len)]
+        if global_batch_in_recipe == "global_batch_size":  # the same tokens per step are more, shorter sequences
+            sequences = option.micro_batch_size * option.gradient_accumulation_steps * option.data_parallel_size
+            flags += ["--global_batch_size", str(sequences)]
     if option.micro_batch_size != current.micro_batch_size:
         flags += ["--per_device_train_batch_size", str(option.micro_batch_size)]
     if option.sequence_parallel_size != current.sequence_parallel_size:
@@ -167,7 +171,7 @@ def candidate_layouts(config: PretrainedConfig, counts: ParamCounts, setup: Trai
 
 
 def suggest_layouts(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, current: MeshLayout, gpu: str,
-                    links: Links, base_config: str | None = None, global_batch_in_recipe: bool = False,
+                    links: Links, base_config: str | None = None, global_batch_in_recipe: str | None = None,
                     reshard_after_forward: bool = True, sequence_parallel_sizes: Collection[int] | None = None,
                     headroom_gib: float = 0.0) -> tuple[LayoutOption, list[LayoutOption]]:
     """(the recipe's own layout priced, up to `SUGGESTIONS` faster layouts that fit ``gpu`` with ``headroom_gib``
@@ -278,7 +282,7 @@ class LayoutReport:
 
 
 def layout_report(config: PretrainedConfig, counts: ParamCounts, setup: TrainingSetup, nodes: int, gpu: str,
-                  links: Links, base_config: str | None = None, global_batch_in_recipe: bool = False,
+                  links: Links, base_config: str | None = None, global_batch_in_recipe: str | None = None,
                   reshard_after_forward: bool = True, sequence_parallel_sizes: Collection[int] | None = None,
                   headroom_gib: float = 0.0) -> LayoutReport:
     """The launch's own layout priced, FSDP and HSDP side by side (several nodes), and what to change."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -303,6 +304,7 @@ EDITED_CONFIG = "my_accelerate_config.yaml"  # the name a suggested launch gives
 def suggested_launch(command: str, overrides: tuple[str, ...], accelerate_config: str | None) -> list[str]:
     """The launch of a suggestion, runnable as printed: `command` with its flags, on the config the layout needs
     (a shipped one, or EDITED_CONFIG with the line that says what to write into it)."""
+    command = _without_overridden_keys(command, overrides)
     if not accelerate_config:
         return [f"{command} {' '.join(overrides)}".rstrip()]
     shipped = " " not in accelerate_config
@@ -311,3 +313,19 @@ def suggested_launch(command: str, overrides: tuple[str, ...], accelerate_config
                     lambda m: m.group(1) + (accelerate_config if shipped else EDITED_CONFIG), command)
     lines = [f"{launch} {' '.join(overrides)}".rstrip()]
     return lines if shipped else [*lines, f"{EDITED_CONFIG}: {accelerate_config}"]
+
+
+def _without_overridden_keys(command: str, overrides: tuple[str, ...]) -> str:
+    """`command` less the user's own `--key value` (or `--key=value`) for each key the suggestion sets again: the
+    printed launch then says each key once, with the value the suggestion plans."""
+    keys = {token for token in overrides if token.startswith("--")}
+    tokens, kept, index = shlex.split(command), [], 0
+    while index < len(tokens):
+        token = tokens[index]
+        if token.split("=", 1)[0] in keys:
+            with_value = "=" not in token and index + 1 < len(tokens) and not tokens[index + 1].startswith("--")
+            index += 2 if with_value else 1
+            continue
+        kept.append(token)
+        index += 1
+    return shlex.join(kept)
