@@ -93,6 +93,8 @@ demo-real: smollm2 $(VENV)/.installed-eval
 
 # Any recipe (yours) on any accelerate config; OUT overrides the recipe's output_dir.
 train: setup
+	@test -n "$(RECIPE)" -a -n "$(CONFIG)" || { echo "error: make train needs a recipe and a config: RECIPE=recipes/... \
+	(default recipes/tiny/llama8b.yaml) CONFIG=accelerate_configs/... (default $(CPU_CONFIG))" >&2; exit 2; }
 	@$(PREFLIGHT) $(CONFIG) $(RECIPE) -- $(if $(OUT),--output_dir $(OUT)) $(ARGS)
 	accelerate launch --config_file $(CONFIG) scripts/sft.py $(RECIPE) $(if $(OUT),--output_dir $(OUT)) $(ARGS)
 

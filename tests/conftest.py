@@ -223,6 +223,10 @@ AREA_OF_FILE = {f"test_{name}.py": area for area, names in AREAS.items() for nam
 def pytest_configure(config):
     for area in AREAS:
         config.addinivalue_line("markers", f"{area}: the {area} area's tests (docs/testing.md)")
+    # `make test-area AREA=dat` would otherwise select no test and say only "45 deselected"
+    selected = config.option.markexpr
+    if selected.isidentifier() and selected not in (*AREAS, "fsdp", "slow"):
+        raise pytest.UsageError(f"-m {selected} selects no test: AREA= is one of {', '.join(AREAS)}")
 
 
 def pytest_collection_modifyitems(config, items):

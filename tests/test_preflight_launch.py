@@ -151,3 +151,8 @@ def test_make_train_with_a_recipe_as_the_accelerate_config_is_refused_before_acc
         result = run_command(["make", "-s", "-o", ".venv/.installed", "train", f"PY={bin_path('python')}",
                               f"{broken}={tmp_path / 'broken.yaml'}", f"OUT={tmp_path / 'x'}"])
         _refused_before_any_process(result, f"error: {tmp_path / 'broken.yaml'} {BROKEN_YAML}")
+    for emptied in ("RECIPE", "CONFIG"):  # `make train RECIPE=`: said so, not the pre-check's argparse usage
+        result = run_command(["make", "-s", "-o", ".venv/.installed", "train", f"PY={bin_path('python')}", f"{emptied}="])
+        _refused_before_any_process(result, "error: make train needs a recipe and a config: RECIPE=recipes/... (default "
+                                            "recipes/tiny/llama8b.yaml) CONFIG=accelerate_configs/... (default "
+                                            "accelerate_configs/fsdp2_cpu.yaml)")

@@ -17,6 +17,13 @@ def test_every_test_file_is_in_exactly_one_area():
     assert sorted(listed) == files  # and no area names a file that is gone
 
 
+def test_an_area_that_does_not_exist_is_refused_not_an_empty_run():
+    result = run_command([bin_path("python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", "-m", "dat"],
+                         launcher="real")
+    assert result.returncode == 4
+    assert f"-m dat selects no test: AREA= is one of {', '.join(AREAS)}" in result.stderr
+
+
 def test_a_variable_read_at_import_time_sends_the_run_to_the_real_launcher():
     assert import_time_environment({"HF_HUB_OFFLINE": "1", "HF_TOKEN": "x", "MLFLOW_RUN_ID": "r", "OMP_NUM_THREADS": "1"}) \
         == {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from sft_recipes.command_line import OneLineParser
 from sft_recipes.errors import RecipeError
 from sft_recipes.launch import gpus_needed, read_accelerate_config
 
@@ -77,7 +78,8 @@ def recipe_refusal(config_path: str, recipe_path: str, overrides: list[str], wor
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     overrides = argv[argv.index("--") + 1:] if "--" in argv else []
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m sft_recipes.preflight_launch", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
     parser.add_argument("recipe")
     parser.add_argument("--processes-per-node", type=int, help="default: the config's num_processes / num_machines")
