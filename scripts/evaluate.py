@@ -35,7 +35,7 @@ from sft_recipes.environment import set_runtime_defaults
 
 set_runtime_defaults()
 
-from sft_recipes.command_line import OneLineParser
+from sft_recipes.command_line import OneLineParser, positive_int
 from sft_recipes.errors import RecipeError, one_line_refusals
 
 RESULTS_FILE = "benchmark_results.json"
@@ -51,9 +51,10 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
                         "comma-separated argument)")
     parser.add_argument("--limit", type=int, help="examples per task (the first N); default: all")
     parser.add_argument("--num_fewshot", type=int, help="few-shot examples per prompt; default: each task's own")
-    parser.add_argument("--max_gen_toks", type=int, help="longest generated answer; default: each task's own")
+    parser.add_argument("--max_gen_toks", type=positive_int("the most tokens a generated answer may have"),
+                        help="longest generated answer; default: each task's own")
     parser.add_argument("--apply_chat_template", action="store_true", help="prompt through the chat template")
-    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--batch_size", type=positive_int("the requests scored together (default 8)"), default=8)
     parser.add_argument("--seed", type=int, default=0, help="lm-eval's seeds (few-shot choice); the recipes' seed")
     parser.add_argument("--device", help="where the model runs (default: cuda when there is a GPU, else cpu; "
                         "under a launch each process's own device); the hf backend's")

@@ -319,6 +319,18 @@ def test_evaluate_py_loads_an_adapter_merged_onto_its_base(tmp_path, monkeypatch
     torch.testing.assert_close(given["logits"], merged(ids).logits.detach(), atol=1e-5, rtol=1e-5)
 
 
+def test_evaluate_py_refuses_a_batch_or_answer_length_below_one_in_one_line(capsys):
+    evaluate = _evaluate_script()
+    lines = {("--batch_size", "0"): "error: argument --batch_size: 0 is not a whole number >= 1: give the requests "
+                                    "scored together (default 8)",
+             ("--max_gen_toks", "-4"): "error: argument --max_gen_toks: -4 is not a whole number >= 1: give the most "
+                                       "tokens a generated answer may have"}
+    for option, line in lines.items():  # refused by argparse, before any model is looked for
+        with pytest.raises(SystemExit) as refused:
+            evaluate.main(["no/such-model", "--tasks", "alpaca_answers", *option])
+        assert (refused.value.code, capsys.readouterr().err) == (2, line + "\n")
+
+
 def test_evaluate_py_refuses_a_backend_it_does_not_offer_and_vllm_when_it_is_not_installed(capsys, monkeypatch):
     evaluate = _evaluate_script()
     find_spec = importlib.util.find_spec
