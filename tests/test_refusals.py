@@ -149,3 +149,15 @@ def test_the_most_common_refusals_end_with_what_to_do(tmp_path):
     assert "): set pack_blocks: false, or dataset_format: alpaca_chat on this source (its rows as chat conversations)" \
         in message
     assert message.endswith(f"Fix that key in {TINY_LLAMA_RECIPE} or its --key override.")
+
+
+def test_train_says_a_missing_recipe_is_missing_before_looking_for_its_header(tmp_path):
+    from sft_recipes import train
+
+    with pytest.raises(RecipeError, match=r"^Recipe file not found: nope\.yaml\. Pass the path of a recipe YAML"):
+        train("nope.yaml")
+    headless = tmp_path / "headless.yaml"
+    headless.write_text("max_steps: 1\n")
+    with pytest.raises(RecipeError, match=r"headless\.yaml names no accelerate config in its header: pass "
+                                          r"train\(\.\.\., accelerate_config="):
+        train(headless)

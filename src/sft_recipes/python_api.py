@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from sft_recipes.config import load_recipe
+from sft_recipes.config import load_recipe, read_recipe_file
 from sft_recipes.errors import RecipeError
 from sft_recipes.in_process import in_process_launch
 from sft_recipes.run import RunResult, complete_run, earlier_result, start_run
@@ -47,6 +47,7 @@ def train(recipe: str | os.PathLike, accelerate_config: str | os.PathLike | None
 def _header_config(recipe: str | os.PathLike) -> str:
     from sft_recipes.launch import header_accelerate_config
 
+    read_recipe_file(recipe)  # a missing or broken recipe is said as such, not as a header without a config
     named = header_accelerate_config(recipe)
     if named is None:
         raise RecipeError(f"{recipe} names no accelerate config in its header: pass "
