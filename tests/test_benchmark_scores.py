@@ -213,6 +213,13 @@ def test_run_scores_base_and_tuned_refuses_a_regression_and_evaluate_py_agrees(t
     assert [(r["task"], r["metric"], r["samples"], r["max_regression"], r["regressed"]) for r in rows] == [
         ("alpaca_answers", "acc,none", 6, 0.1, True), ("gsm8k_local", "exact_match,strict-match", 2, None, False)]
     assert summary["benchmarks"]["regressed"] is True and summary["benchmarks"]["error"] is None
+    # the console says base against tuned before the closing line, and lm-eval's do_sample advice is not printed
+    shown = [line for line in result.stdout.splitlines() if line.startswith(("[benchmarks]", "[train] "))]
+    assert shown == [f"[benchmarks] alpaca_answers acc,none: base {alpaca['base']:.4f} -> tuned {alpaca['tuned']:.4f} "
+                     f"({alpaca['change']:+.4f}) REGRESSED",
+                     f"[benchmarks] gsm8k_local exact_match,strict-match: base {gsm8k['base']:.4f} -> tuned "
+                     f"{gsm8k['tuned']:.4f} ({gsm8k['change']:+.4f})", shown[-1]] and shown[-1].startswith("[train] ")
+    assert "Ensure 'do_sample=True'" not in result.stderr
     assert summary["benchmarks"]["settings"] == {
         "limit": None, "num_fewshot": None, "max_gen_toks": 4, "apply_chat_template": False,
         "per_task": {"alpaca_answers": {"limit": 6, "num_fewshot": None}, "gsm8k_local": {"limit": 2, "num_fewshot": None}}}

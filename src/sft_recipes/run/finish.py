@@ -96,6 +96,11 @@ def finish(run: Run, training: Training) -> RunResult:
                                 recipe.training.dataloader_num_workers)
     if waiting:
         print(waiting, flush=True)
+    if benchmarks is not None:  # base against tuned, as `make show` says it (the card has the table)
+        from sft_recipes.scores.compare import comparison_lines
+
+        for line in comparison_lines(report["benchmarks"]["tasks"]) or [f"scoring failed: {benchmarks.error}"]:
+            print(f"[benchmarks] {line}", flush=True)
     print(summary.closing_line(report), flush=True)
     if benchmarks is not None:
         publish_outcome(benchmarks.refusal)

@@ -92,7 +92,7 @@ def console_table(scores: dict[str, TaskScore]) -> str:
 
 
 def comparison_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """A summary's `benchmarks.tasks` rows as console lines (scripts/show_run.py, the run's closing lines)."""
+    """A summary's `benchmarks.tasks` rows as console lines (scripts/show_run.py, the run's `[benchmarks]` lines)."""
     return [f"{row['task']} {row['metric']}: base {row['base']:.4f} -> tuned {row['tuned']:.4f} "
             f"({row['change']:+.4f}){' REGRESSED' if row['regressed'] else ''}" for row in rows]
 

@@ -95,13 +95,20 @@ def _run_task(lm, task: EvalTask, settings: EvalSettings) -> dict[str, Any]:
         # argument stays None, or lm-eval warns that it overrides what the config now says).
         spec["num_fewshot"] = task.num_fewshot
     manager = TaskManager(include_defaults=task.config is None)
-    results = lm_eval.simple_evaluate(
-        model=lm, tasks=[spec], task_manager=manager, limit=task.limit,
-        num_fewshot=task.num_fewshot if task.config is None else None,
-        apply_chat_template=settings.apply_chat_template, log_samples=False,
-        gen_kwargs={"max_gen_toks": settings.max_gen_toks} if settings.max_gen_toks else None,
-        random_seed=settings.seed, numpy_random_seed=settings.seed, torch_random_seed=settings.seed,
-        fewshot_random_seed=settings.seed, bootstrap_iters=1000)
+    # lm-eval warns of any gen_kwargs given ("Ensure 'do_sample=True' for non-greedy decoding!"): ours only bound the
+    # answer's length, and the tasks decode greedily on purpose
+    evaluator_logger, gen_kwargs_warning = logging.getLogger("lm_eval.evaluator"), _DropMessages("specified through cli")
+    evaluator_logger.addFilter(gen_kwargs_warning)
+    try:
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=[spec], task_manager=manager, limit=task.limit,
+            num_fewshot=task.num_fewshot if task.config is None else None,
+            apply_chat_template=settings.apply_chat_template, log_samples=False,
+            gen_kwargs={"max_gen_toks": settings.max_gen_toks} if settings.max_gen_toks else None,
+            random_seed=settings.seed, numpy_random_seed=settings.seed, torch_random_seed=settings.seed,
+            fewshot_random_seed=settings.seed, bootstrap_iters=1000)
+    finally:
+        evaluator_logger.removeFilter(gen_kwargs_warning)
     if results is None:  # a data-parallel rank other than 0: lm-eval gathered its share on rank 0
         return None
     return {"results": results["results"][task.name], "n_samples": results["n-samples"][task.name]}
