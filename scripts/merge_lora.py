@@ -22,8 +22,8 @@ from pathlib import Path
 from sft_recipes.command_line import OneLineParser
 from sft_recipes.errors import RecipeError, one_line_refusals
 from sft_recipes.loading import DTYPES
-from sft_recipes.reporting.load_export import ADAPTER_CONFIG, output_dir_refusal
 from sft_recipes.merge import merge_checkpoint, verify_merge
+from sft_recipes.reporting.load_export import ADAPTER_CONFIG, output_dir_refusal
 
 
 def parse_command_line(argv: list[str]) -> argparse.Namespace:
