@@ -17,7 +17,7 @@ from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
 from sft_recipes.data.masking import tokenize_conversations
 from sft_recipes.architectures import prepare_for_packing
 from sft_recipes.data.collator import BlockDiagonalCollator
-from sft_recipes.data.mixture import describe_eval, eval_blocks, refuse_eval_without_answers
+from sft_recipes.data.mixture import describe_eval, eval_blocks, refuse_eval_without_answers, token_counts
 from sft_recipes.errors import RecipeError
 from sft_recipes.loading import load_tokenizer
 from sft_recipes.run import Run
@@ -64,7 +64,7 @@ def test_packed_eval_loss_equals_the_token_mean_of_the_examples_run_alone(model_
     prepare_for_packing(model)
     rows = Dataset.from_list(conversations(6))  # llama: 5 blocks, qwen3_5: 3, each with a 2-conversation block
     blocks, left_out = eval_blocks(rows, tokenizer, MAX_LENGTH)
-    assert left_out == 0  # every conversation has an answer in its first MAX_LENGTH tokens
+    assert left_out == {}  # every conversation has an answer in its first MAX_LENGTH tokens
     assert len(blocks) > 2 and max(len(lengths) for lengths in blocks["seq_lengths"]) >= 2  # packed, several batches
 
     collator = collate_blocks(BlockDiagonalCollator(MAX_LENGTH, tokenizer.pad_token_id, block_per_row=True))
@@ -152,23 +152,29 @@ def test_a_packed_eval_conversation_with_no_answer_in_its_first_block_is_left_ou
     (short_ids,) = tokenize_conversations(tokenizer, [short["messages"]], None)["input_ids"]
     assert len(short_ids) < 128 < len(tokenize_conversations(tokenizer, [long["messages"]], None)["input_ids"][0])
 
-    blocks, left_out = eval_blocks(Dataset.from_list([long, short]), tokenizer, 128)
-    assert left_out == 1 and blocks["seq_lengths"] == [[len(short_ids)]]
-    assert tokenizer.decode([t for t in blocks[0]["labels"] if t != -100]) == "Hello.<|eot_id|>"
-    refuse_eval_without_answers(blocks, left_out, 128)  # something to score: no refusal
-    assert describe_eval(blocks, left_out, 128).startswith(
-        "[data] eval: 1 conversations packed whole into 1 blocks (1 left out: without an answer in their first 128 "
-        "tokens), ")
+    unanswered = {"messages": [{"role": "user", "content": "Hi"}]}  # the masker drops it: no_assistant_turn
+    blocks, left_out = eval_blocks(Dataset.from_list([long, short, unanswered]), tokenizer, 128)
+    assert left_out == {"answer_past_max_length": 1, "no_assistant_turn": 1}
+    assert blocks["seq_lengths"] == [[len(short_ids)]]
+    answer = [t for t in blocks[0]["labels"] if t != -100]
+    assert tokenizer.decode(answer) == "Hello.<|eot_id|>"
+    counts = token_counts(blocks)
+    assert counts == (len(short_ids), len(answer))
+    refuse_eval_without_answers(blocks, counts[1], left_out, 128)  # something to score: no refusal
+    assert describe_eval(blocks, counts, left_out, 128) == (
+        f"[data] eval: 1 conversations packed whole into 1 blocks (2 left out: 1 without an answer in their first 128 "
+        f"tokens, no_assistant_turn 1), {len(short_ids)} tokens, {len(answer)} supervised")
 
     nothing, left_out = eval_blocks(Dataset.from_list([long]), tokenizer, 128)
-    assert (len(nothing), left_out) == (0, 1)
-    assert describe_eval(nothing, left_out, 128) == (
-        "[data] eval: 0 conversations packed whole into 0 blocks (1 left out: without an answer in their first 128 "
+    assert (len(nothing), left_out) == (0, {"answer_past_max_length": 1})
+    assert describe_eval(nothing, token_counts(nothing), left_out, 128) == (
+        "[data] eval: 0 conversations packed whole into 0 blocks (1 left out: 1 without an answer in their first 128 "
         "tokens), 0 tokens, 0 supervised")
     with pytest.raises(RecipeError, match=r"^The eval set has nothing to score: none of its 1 conversations has an "
-                                          r"answer in its first 128 tokens .*Raise max_length"):
-        refuse_eval_without_answers(nothing, left_out, 128)
+                                          r"answer to score \(1 without an answer in their first 128 tokens; "
+                                          r"max_length: .*Raise max_length"):
+        refuse_eval_without_answers(nothing, 0, left_out, 128)
     # Unpacked eval rows all dropped as they were tokenized (their own report): the same refusal, without a count
     with pytest.raises(RecipeError, match=r"^The eval set has nothing to score: no eval row keeps a supervised token "
                                           r"within max_length=1024\. Raise max_length"):
-        refuse_eval_without_answers(Dataset.from_list([]), 0, 1024)
+        refuse_eval_without_answers(Dataset.from_list([]), 0, {}, 1024)

@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import functools
 import json
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from dataclasses import dataclass
 from typing import Any
 
 from datasets import Dataset, Features, IterableDataset, List, Value, concatenate_datasets, interleave_datasets
@@ -197,7 +198,8 @@ class SourceData:
     report: MixtureReport
     raw_train: list[tuple[Dataset | IterableDataset, str]]  # each source's raw rows (image rows: checked), format
     raw_eval: list[tuple[Dataset, str]]  # the same for the eval rows
-    eval_left_out: int = 0  # packed eval conversations left out: no supervised token in their first block_length
+    # packed eval conversations left out, by reason (eval_blocks): ANSWER_PAST_BLOCK or the masker's drop reason
+    eval_left_out: dict[str, int] = field(default_factory=dict)
 
 
 def _load(source: DatasetSource, streaming: bool, max_rows: int | None = None, mark_bad_rows: bool = False
@@ -337,21 +339,29 @@ def _interleaved(streams: list[IterableDataset], columns: list[str], fractions: 
     return mixed.map(_decode_messages, remove_columns=["messages_json"]) if conversations else mixed
 
 
+ANSWER_PAST_BLOCK = "answer_past_max_length"  # an eval conversation's answer starts after its first block_length tokens
+
+
 def eval_blocks(rows: Dataset, tokenizer, block_length: int, template_kwargs: dict[str, Any] | None = None
-                ) -> tuple[Dataset, int]:
+                ) -> tuple[Dataset, dict[str, int]]:
     """Eval conversations packed whole (never split, so each keeps its full context) into
-    block-diagonal blocks by the training packer, and how many were left out. A conversation longer than
-    `block_length` keeps its first tokens, as an unpacked eval row is truncated; one with no supervised
-    token among them (a long tool schema before the answer) would add nothing to the eval loss, and is
-    left out, as is one without an answer."""
+    block-diagonal blocks by the training packer, and how many were left out, by reason. A conversation
+    longer than `block_length` keeps its first tokens, as an unpacked eval row is truncated; one with no
+    supervised token among them (a long tool schema before the answer: ANSWER_PAST_BLOCK) would add nothing
+    to the eval loss, and is left out, as is one the masker drops (its drop reason, as the data report
+    names it: no_assistant_turn, ...)."""
     columns = tokenize_conversations(tokenizer, rows["messages"], None, **(template_kwargs or {}))
-    examples = [{"input_ids": ids, "labels": [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask)]}
-                for ids, mask, reason in zip(columns["input_ids"], columns["assistant_masks"], columns["drop_reason"])
-                if reason == KEPT and any(mask[:block_length])]
+    examples, left_out = [], Counter()
+    for ids, mask, reason in zip(columns["input_ids"], columns["assistant_masks"], columns["drop_reason"]):
+        if reason == KEPT and any(mask[:block_length]):
+            examples.append({"input_ids": ids, "labels": [token if keep else IGNORE_INDEX
+                                                          for token, keep in zip(ids, mask)]})
+        else:
+            left_out[reason or ANSWER_PAST_BLOCK] += 1
     blocks = list(fill_blocks(examples, block_length, split_examples=False))
     # None left: still the block columns (`Dataset.from_list([])` has none), so the run describes and refuses it
     packed = Dataset.from_list(blocks) if blocks else Dataset.from_dict({"input_ids": [], "labels": [], "seq_lengths": []})
-    return packed, len(rows) - len(examples)
+    return packed, dict(left_out)
 
 
 def _eval_rows(rows: Dataset, source: DatasetSource) -> Dataset:
@@ -363,41 +373,50 @@ def _eval_rows(rows: Dataset, source: DatasetSource) -> Dataset:
 
 
 def _eval_dataset(parts: list[tuple[DatasetSource, Dataset]], packs: bool, tokenization: Tokenization, tokenizer,
-                  block_length: int | None, images: bool = False) -> tuple[Dataset | None, int]:
+                  block_length: int | None, images: bool = False) -> tuple[Dataset | None, dict[str, int]]:
     """The eval rows as the run evaluates them, and how many packed ones were left out (`eval_blocks`); an
     image run's stay conversations with their images, which the run packs with the model's image processor
     (`data/vision_eval.py`)."""
     if not parts:
-        return None, 0
+        return None, {}
     if packs and images:
-        return concatenate_datasets(with_aligned_messages([rows for _, rows in parts])), 0
+        return concatenate_datasets(with_aligned_messages([rows for _, rows in parts])), {}
     if packs:
         messages = concatenate_datasets(with_aligned_messages([rows for _, rows in parts]))
         return eval_blocks(messages, tokenizer, block_length, tokenization.template_kwargs)
     # Eval rows are not training rows: their drops go to a report of their own, not to max_dropped_share.
     return concatenate_datasets([FORMATS[source.dataset_format].to_tokens(rows, tokenizer, tokenization,
                                                                           DataReport(source=source.label))
-                                 for source, rows in parts]), 0
+                                 for source, rows in parts]), {}
 
 
-def describe_eval(dataset: Dataset | None, left_out: int = 0, block_length: int | None = None) -> str:
+def describe_eval(dataset: Dataset | None, counts: tuple[int, int] = (0, 0), left_out: dict[str, int] | None = None,
+                  block_length: int | None = None) -> str:
+    """The `[data] eval:` line; `counts`: the set's (tokens, supervised tokens), token_counts(dataset)."""
     if dataset is None:
         return "[data] eval: none (set test_split_size or eval_datasets)"
-    tokens, supervised = token_counts(dataset)
+    tokens, supervised = counts
     what = (f"{sum(map(len, dataset['seq_lengths'])):,} conversations packed whole into {len(dataset):,} blocks"
             if "seq_lengths" in dataset.column_names else f"{len(dataset):,} rows")
     if left_out:
-        what += f" ({left_out:,} left out: without an answer in their first {block_length:,} tokens)"
+        what += f" ({sum(left_out.values()):,} left out: {_left_out_reasons(left_out, block_length)})"
     return f"[data] eval: {what}, {tokens:,} tokens, {supervised:,} supervised"
 
 
-def refuse_eval_without_answers(dataset: Dataset | None, left_out: int, block_length: int | None) -> None:
-    """An eval set with no supervised token has no eval loss (0 / 0: `nan` at every eval); refused before
-    training, on every rank, with what to change."""
-    if dataset is None or token_counts(dataset)[1]:
+def _left_out_reasons(left_out: dict[str, int], block_length: int | None) -> str:
+    return ", ".join(f"{count:,} without an answer in their first {block_length:,} tokens" if reason == ANSWER_PAST_BLOCK
+                     else f"{reason} {count:,}" for reason, count in sorted(left_out.items()))
+
+
+def refuse_eval_without_answers(dataset: Dataset | None, supervised: int, left_out: dict[str, int],
+                                block_length: int | None) -> None:
+    """An eval set with no supervised token (`supervised`: token_counts(dataset)[1]) has no eval loss (0 / 0:
+    `nan` at every eval); refused before training, on every rank, with what to change."""
+    if dataset is None or supervised:
         return
-    cause = (f"none of its {left_out:,} conversations has an answer in its first {block_length:,} tokens "
-             "(max_length: a packed eval conversation is evaluated whole from its start, never split)"
+    cause = (f"none of its {sum(left_out.values()):,} conversations has an answer to score "
+             f"({_left_out_reasons(left_out, block_length)}; max_length: a packed eval conversation is evaluated "
+             "whole from its start, never split)"
              if left_out else f"no eval row keeps a supervised token within max_length={block_length}")
     raise RecipeError(f"The eval set has nothing to score: {cause}. Raise max_length, give eval_datasets with "
                       "shorter conversations, or evaluate nothing (test_split_size: null and eval_strategy: no).")

@@ -13,7 +13,9 @@ from sft_recipes.data.audit import audit_dataset, format_report
 from sft_recipes.data.blocks import RankLocalBlockStream, collate_blocks
 from sft_recipes.data.collator import BlockDiagonalCollator
 from sft_recipes.data.formats import CHAT_FORMATS
-from sft_recipes.data.mixture import SourceData, build_source_data, describe_eval, refuse_eval_without_answers
+from sft_recipes.data.mixture import (
+    SourceData, build_source_data, describe_eval, refuse_eval_without_answers, token_counts,
+)
 from sft_recipes.data.passes import PackedPasses, plan_passes
 from sft_recipes.data.report import DataReport, MixtureReport
 from sft_recipes.data.sources import load_checked_dataset
@@ -89,13 +91,15 @@ def build_data(run: Run, tokenizer) -> RunData:
     elif report.streamed:  # tokenized as TRL's dataloader reads it, in the training process
         stream_reads = StreamedRowDropsCallback([source.checked for source in report.sources],
                                                 data_args.max_dropped_share)
+    packed_images = isinstance(eval_data, VisionEvalBlocks)  # described by itself, its pixels made as it is read
+    eval_counts = token_counts(eval_data) if eval_data is not None and not packed_images else (0, 0)
     if run.is_main:
         print(report.format(), flush=True)
-        print(eval_data.describe() if isinstance(eval_data, VisionEvalBlocks) else
-              describe_eval(eval_data, sources.eval_left_out, training.max_length), flush=True)
+        print(eval_data.describe() if packed_images else
+              describe_eval(eval_data, eval_counts, sources.eval_left_out, training.max_length), flush=True)
     report.enforce(data_args.max_dropped_share)
-    if not isinstance(eval_data, VisionEvalBlocks):
-        refuse_eval_without_answers(eval_data, sources.eval_left_out, training.max_length)
+    if not packed_images:
+        refuse_eval_without_answers(eval_data, eval_counts[1], sources.eval_left_out, training.max_length)
     passes = None
     if block_stream is not None and (not report.streamed or training.max_steps < 0):  # finite, or asked for passes
         passes = plan_passes(block_stream, training.per_device_train_batch_size, training.gradient_accumulation_steps,
