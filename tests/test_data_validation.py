@@ -79,14 +79,14 @@ def test_every_bad_conversation_is_counted_under_its_reason(tmp_path):
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi?"}]}, reply]},  # not_a_string
         {"messages": [{"content": "Hi?"}, reply]},  # missing_field: role
         {"messages": [ask, {"role": "assistant"}]},  # missing_field: content
-        {"messages": "Hi?"},  # not_a_string: the conversation itself
+        {"messages": "Hi?"},  # not_a_message_list: the conversation itself
         {"prompt": "Hi?"},  # missing_field: messages
     ]
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     dataset, report = load_checked_dataset(data_args(path, "messages"))
     assert dict(report.dropped) == {"unknown_role": 1, "no_assistant_turn": 1, "empty_content": 1,
-                                    "not_a_string": 2, "missing_field": 3}
+                                    "not_a_string": 1, "not_a_message_list": 1, "missing_field": 3}
     assert dataset["messages"] == [rows[0]["messages"], rows[1]["messages"]]
 
 

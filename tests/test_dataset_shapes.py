@@ -16,6 +16,7 @@ from sft_recipes.data.formats import FORMATS, Tokenization
 from sft_recipes.data.rows import (
     MESSAGES_NOT_STRINGS,
     NO_ASSISTANT_TURN,
+    NOT_A_MESSAGE_LIST,
     NOT_A_STRING,
     STRINGS_NOT_MESSAGES,
     UNKNOWN_ROLE,
@@ -73,9 +74,11 @@ def test_conversational_prompt_completion_trains_only_the_completions_replies(tm
          "completion": [{"role": "assistant", "content": "4"}]},
         {"prompt": [{"role": "user", "content": "Hi"}], "completion": [{"role": "user", "content": "Hi?"}]},
         {"prompt": "The sky is", "completion": " blue."},
+        {"prompt": "The sky is", "completion": [{"role": "assistant", "content": "Blue."}]},  # neither shape
     ]
     data, report = load_checked_dataset(local(write(tmp_path, rows), "prompt_completion_chat"))
-    assert report.dropped == {NO_ASSISTANT_TURN: 1, STRINGS_NOT_MESSAGES: 1}  # strings: prompt_completion's shape
+    # strings: prompt_completion's shape; a string beside a list was counted as not_a_string
+    assert report.dropped == {NO_ASSISTANT_TURN: 1, STRINGS_NOT_MESSAGES: 1, NOT_A_MESSAGE_LIST: 1}
     fmt = FORMATS["prompt_completion_chat"]
     trained = fmt.to_tokens(fmt.as_trained(data), tokenizer, Tokenization(max_length=None), report)
     assert labelled(tokenizer, trained) == ["4<|eot_id|>"]  # the prompt's reply "5" is context only
@@ -120,9 +123,9 @@ def test_sharegpt_with_function_calls_trains_as_the_same_tool_conversation(tmp_p
     tokenizer = real_tokenizer("llama")
     unknown = json.loads(json.dumps(SHAREGPT_TOOLS))
     unknown["conversations"][1]["value"] = json.dumps({"name": "get_weather", "arguments": {}})
-    rows = [SHAREGPT_TOOLS, unknown, {"conversations": [{"from": "bot", "value": "?"}]}]
+    rows = [SHAREGPT_TOOLS, unknown, {"conversations": [{"from": "bot", "value": "?"}]}, {"conversations": "Hi"}]
     data, report = load_checked_dataset(local(write(tmp_path, rows), "sharegpt"))
-    assert report.dropped == {UNKNOWN_TOOL: 1, UNKNOWN_ROLE: 1}
+    assert report.dropped == {UNKNOWN_TOOL: 1, UNKNOWN_ROLE: 1, NOT_A_MESSAGE_LIST: 1}
     fmt = FORMATS["sharegpt"]
     trained = fmt.to_tokens(fmt.as_trained(data), tokenizer, Tokenization(max_length=None), report)
     assert labelled(tokenizer, trained) == ["".join(EXPECTED["llama"])]  # as the messages row of test_tools

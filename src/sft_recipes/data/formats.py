@@ -55,6 +55,7 @@ from sft_recipes.data.rows import (
     MISSING_FIELD,
     NO_ASSISTANT_TURN,
     NO_TRAINABLE_TOKENS,
+    NOT_A_MESSAGE_LIST,
     NOT_A_STRING,
     OVERLONG,
     STRINGS_NOT_MESSAGES,
@@ -438,7 +439,7 @@ class PromptCompletionChatFormat(_ConvertedChat):
         if isinstance(prompt, str) and isinstance(completion, str):
             return STRINGS_NOT_MESSAGES  # dataset_format: prompt_completion reads them
         if not isinstance(prompt, list) or not isinstance(completion, list):
-            return NOT_A_STRING
+            return NOT_A_MESSAGE_LIST  # one list and one string: neither format reads the row
         if not any(isinstance(message, dict) and message.get("role") == "assistant" for message in completion):
             return NO_ASSISTANT_TURN
         context = [{**message, "train": False} if isinstance(message, dict) and message.get("role") == "assistant"
@@ -500,7 +501,7 @@ class ShareGptFormat(_ConvertedChat):
         if turns is None:
             return MISSING_FIELD
         if not isinstance(turns, list) or not all(isinstance(turn, dict) for turn in turns):
-            return NOT_A_STRING
+            return NOT_A_MESSAGE_LIST
         messages = []
         system = row.get(names["system"])
         if system is not None:

@@ -10,7 +10,8 @@ Each dropped row is counted under the first reason that applies:
   not UTF-8 is refused up front, naming the encoding it looks like (`sources.refuse_another_encoding`).
 - `missing_field`, `not_a_string`, `empty_content`: a required field (alpaca `instruction` /
   `output`, `text`, `messages`, a message's `role` / `content`) is absent or null, is not a
-  string (not a list, for `messages`), or is blank. alpaca `input` may be empty or absent, and
+  string, or is blank. `not_a_message_list`: a field that holds a conversation (`messages`, ShareGPT's
+  `conversations`, `prompt_completion_chat`'s `prompt` and `completion`) is not a list of messages. alpaca `input` may be empty or absent, and
   so may a system / developer message's content. An assistant reply may be empty too: what an
   empty reply trains (its end of turn) and when a conversation of empty replies is dropped
   (`empty_assistant_turns`) is the masking's one rule (`masking.py`, "Empty replies"), the same
@@ -43,6 +44,7 @@ INVALID_JSON = "invalid_json"
 NOT_UTF8 = "not_utf8"
 MISSING_FIELD = "missing_field"
 NOT_A_STRING = "not_a_string"
+NOT_A_MESSAGE_LIST = "not_a_message_list"
 EMPTY_CONTENT = "empty_content"
 UNKNOWN_ROLE = "unknown_role"
 NO_ASSISTANT_TURN = "no_assistant_turn"
@@ -64,7 +66,7 @@ MISPLACED_IMAGE = "misplaced_image"
 MISSING_IMAGE = "missing_image"
 UNREADABLE_IMAGE = "unreadable_image"
 IMAGE_SIZE = "image_size"
-ROW_DROP_REASONS = (INVALID_JSON, NOT_UTF8, MISSING_FIELD, NOT_A_STRING, EMPTY_CONTENT, UNKNOWN_ROLE, NO_ASSISTANT_TURN, OVERLONG,
+ROW_DROP_REASONS = (INVALID_JSON, NOT_UTF8, MISSING_FIELD, NOT_A_STRING, NOT_A_MESSAGE_LIST, EMPTY_CONTENT, UNKNOWN_ROLE, NO_ASSISTANT_TURN, OVERLONG,
                     NO_TRAINABLE_TOKENS, INVALID_TOOLS, INVALID_TOOL_CALL, INVALID_TOOL_ARGUMENTS, UNKNOWN_TOOL,
                     ORPHAN_TOOL_RESULT, INVALID_TRAIN_FLAG, MESSAGES_NOT_STRINGS, STRINGS_NOT_MESSAGES,
                     IMAGE_COUNT_MISMATCH, MISPLACED_IMAGE, MISSING_IMAGE, UNREADABLE_IMAGE,
@@ -99,7 +101,7 @@ def messages_problem(messages: Any) -> str | None:
     if messages is None:
         return MISSING_FIELD
     if not isinstance(messages, list) or not all(isinstance(message, dict) for message in messages):
-        return NOT_A_STRING  # the conversation itself has the wrong type
+        return NOT_A_MESSAGE_LIST  # the conversation itself has the wrong type
     if not messages:
         return EMPTY_CONTENT
     for message in messages:
