@@ -13,7 +13,6 @@ is one `error:` line, exit 2.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
@@ -21,7 +20,7 @@ from sft_recipes.environment import set_runtime_defaults
 
 set_runtime_defaults()  # before anything imports huggingface_hub or touches CUDA
 
-from sft_recipes.command_line import OneLineParser, positive_int
+from sft_recipes.command_line import sft_script_parser
 from sft_recipes.config import load_recipe
 from sft_recipes.distributed import process_group_destroyed_on_exit
 from sft_recipes.errors import one_line_refusals
@@ -29,33 +28,9 @@ from sft_recipes.reporting.mlflow_status import mlflow_run_ended_by_outcome
 from sft_recipes.run import audit_data, complete_run, start_run
 
 
-def parse_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = OneLineParser(prog="scripts/sft.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("recipe", help="recipe YAML, e.g. recipes/llama8b.yaml")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="lint the recipe and print the plan (parameters, memory per GPU, fit, time); no GPU, no weights")
-    parser.add_argument("--config_file", help="with --dry-run: the accelerate config the run will be launched with")
-    parser.add_argument("--world_size", type=positive_int("the number of processes to plan for"),
-                        help="with --dry-run: number of processes (overrides --config_file)")
-    parser.add_argument("--plan-json", help="with --dry-run: also write the plan as JSON to this path")
-    parser.add_argument("--workload", help="with --dry-run: check this AI Runtime workload file (as `python -m "
-                        "sft_recipes.workload check` does) and plan with its parameters and accelerate config")
-    parser.add_argument("--gpu", choices=("H100", "H200", "B200", "B300"),
-                        help="with --dry-run: the GPU the communication estimate, layout comparison and suggestions are "
-                             "for (default: the --workload's accelerator_type, else the one the recipe's first header "
-                             "line names, else H100)")
-    parser.add_argument("--intra_node_gbps", type=float,
-                        help="with --dry-run: NVLink Gb/s per GPU each way (default: the --gpu's, docs/planner.md)")
-    parser.add_argument("--inter_node_gbps", type=float,
-                        help="with --dry-run: network Gb/s per GPU each way (default: the --gpu's node, e.g. 400)")
-    parser.add_argument("--audit-data", type=positive_int("how many conversations to show"), metavar="N", default=0,
-                        help="show N conversations with their supervised spans marked, report mask statistics, stop")
-    return parser.parse_known_args(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    cli, overrides = parse_command_line(sys.argv[1:] if argv is None else argv)
+    cli, overrides = sft_script_parser(__doc__).parse_known_args(sys.argv[1:] if argv is None else argv)
     if cli.dry_run:  # lint + plan, in seconds, without GPUs or weights (imported here: a training run never plans)
         from sft_recipes.planner.dry_run import plan_dry_run
         from sft_recipes.workload import dry_run_as_the_workload

@@ -71,6 +71,22 @@ def test_a_bad_override_through_make_demo_is_one_line_and_the_last_demo_is_kept(
     assert (last_demo / "run_summary.json").is_file()  # refused before `rm -rf` of the last demo
 
 
+def test_a_launch_of_the_dry_run_or_the_data_audit_is_refused_with_the_command_that_runs_it(capsys):
+    """`make train ARGS="--dry-run"` read --dry-run as an unknown recipe key 'dry_run'."""
+    from sft_recipes.command_line import options_that_do_not_train
+    from sft_recipes.preflight_launch import main
+
+    recipe = "recipes/tiny/llama8b.yaml"
+    assert options_that_do_not_train(recipe, ["--max_steps", "3", "--output_dir", "x"]) == []
+    assert options_that_do_not_train(recipe, ["--plan_memory_headroom_gib", "3"]) == []  # no abbreviation of --plan-json
+    assert options_that_do_not_train(recipe, ["--dry-run", "--max_steps", "3", "--gpu", "H200"]) == ["--dry-run", "--gpu"]
+    assert main(["accelerate_configs/fsdp2_cpu.yaml", recipe, "--", "--audit-data", "3", "--max_steps", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --audit-data is scripts/sft.py's own option: the dry run and the data audit run in one process instead "
+        f"of training, so they are not launched: run `.venv/bin/python scripts/sft.py {recipe} --audit-data 3 "
+        "--max_steps 2`\n")
+
+
 def test_recipe_check_passes_every_shipped_cpu_launch():
     from sft_recipes.preflight_launch import recipe_refusal
 

@@ -22,9 +22,10 @@ What the config launches (nodes, processes per node) is `sft_recipes.launch`'s.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
-from sft_recipes.command_line import OneLineParser
+from sft_recipes.command_line import OneLineParser, options_that_do_not_train
 from sft_recipes.errors import RecipeError
 from sft_recipes.launch import gpus_needed, read_accelerate_config
 
@@ -75,6 +76,16 @@ def recipe_refusal(config_path: str, recipe_path: str, overrides: list[str], wor
     return None
 
 
+def launch_of_an_option_that_does_not_train(recipe_path: str, overrides: list[str]) -> str | None:
+    """`make train ARGS="--dry-run"`: the dry run and the data audit run in one process, on their own."""
+    options = options_that_do_not_train(recipe_path, overrides)
+    if not options:
+        return None
+    own = "is scripts/sft.py's own option" if len(options) == 1 else "are scripts/sft.py's own options"
+    return (f"{' '.join(options)} {own}: the dry run and the data audit run in one process instead of training, "
+            f"so they are not launched: run `.venv/bin/python scripts/sft.py {recipe_path} {shlex.join(overrides)}`")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     overrides = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -88,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     gpu_count = torch.cuda.device_count()
-    problem = preflight(args.config, args.recipe, args.processes_per_node, gpu_count) or recipe_refusal(
+    problem = launch_of_an_option_that_does_not_train(args.recipe, overrides) or preflight(args.config, args.recipe, args.processes_per_node, gpu_count) or recipe_refusal(
         args.config, args.recipe, overrides, args.world_size, has_accelerator=gpu_count > 0)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
