@@ -32,6 +32,19 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 LOCAL_WORLD_SIZE=${LOCAL_WORLD_SIZE:-$(detect_local_world_size)} || exit 2  # a config it cannot read: its error: line
+
+# A wrong variable is one error: line naming it, not bash's "x: unbound variable", a Python traceback, a node that
+# waits for a rendezvous no other node joins (NODE_RANK past the last node), or accelerate's usage block.
+refuse() { echo "error: $1" >&2; exit 2; }
+whole_number() { [[ $1 =~ ^[0-9]+$ ]]; }
+whole_number "$NUM_NODES" && (( NUM_NODES >= 1 )) ||
+  refuse "NUM_NODES=$NUM_NODES: give the number of nodes of the launch, a whole number >= 1 (unset: 1)"
+whole_number "$LOCAL_WORLD_SIZE" && (( LOCAL_WORLD_SIZE >= 1 )) ||
+  refuse "LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE: give the processes (GPUs) of this node, a whole number >= 1 (unset: this node's GPUs)"
+whole_number "$NODE_RANK" && (( NODE_RANK < NUM_NODES )) ||
+  refuse "NODE_RANK=$NODE_RANK: give this node's rank, 0 to $((NUM_NODES - 1)) for NUM_NODES=$NUM_NODES (unset: 0)"
+whole_number "$MASTER_PORT" && (( MASTER_PORT >= 1 && MASTER_PORT <= 65535 )) ||
+  refuse "MASTER_PORT=$MASTER_PORT: give node 0's rendezvous port, 1 to 65535, the same on every node (unset: 29500)"
 WORLD_SIZE=$((NUM_NODES * LOCAL_WORLD_SIZE))
 
 # Before any process starts: a GPU recipe on a machine without GPUs, or a recipe (with these overrides) the

@@ -37,6 +37,23 @@ def test_launch_script_stops_before_starting_anything():
     assert "[launch]" not in result.stderr  # accelerate was never started
 
 
+@pytest.mark.parametrize("variables, line", [
+    ({"NUM_NODES": "two"}, "error: NUM_NODES=two: give the number of nodes of the launch, a whole number >= 1 (unset: 1)"),
+    ({"NUM_NODES": "0"}, "error: NUM_NODES=0: give the number of nodes of the launch, a whole number >= 1 (unset: 1)"),
+    ({"LOCAL_WORLD_SIZE": "0"}, "error: LOCAL_WORLD_SIZE=0: give the processes (GPUs) of this node, a whole number >= 1 "
+                                "(unset: this node's GPUs)"),
+    ({"NUM_NODES": "2", "NODE_RANK": "2"}, "error: NODE_RANK=2: give this node's rank, 0 to 1 for NUM_NODES=2 (unset: 0)"),
+    ({"MASTER_PORT": "abc"}, "error: MASTER_PORT=abc: give node 0's rendezvous port, 1 to 65535, the same on every node "
+                             "(unset: 29500)"),
+])
+def test_a_wrong_cluster_variable_is_one_line_naming_it(variables, line):
+    """Were bash's 'two: unbound variable', an AssertionError traceback, a node 2 of 2 waiting for a rendezvous no
+    node joins, and accelerate's usage block."""
+    result = run_command(["bash", str(REPO_ROOT / "scripts" / "launch_multinode.sh"), "accelerate_configs/fsdp2_cpu.yaml",
+                          "recipes/tiny/llama8b.yaml"], env={"LOCAL_WORLD_SIZE": "1", **variables}, timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", line + "\n")
+
+
 def _refused_before_any_process(result, problem: str) -> None:
     """Exit 2, one `error:` line naming the problem, and nothing from accelerate or torchrun."""
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
