@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
 import yaml
 from datasets import Dataset
@@ -13,6 +16,7 @@ from sft_recipes.data.audit import audit_dataset, format_report
 from sft_recipes.data.formats import FORMATS
 from sft_recipes.data.masking import KEPT, NO_TRAINED_TURN, mask_conversations
 from sft_recipes.data.rows import INVALID_TRAIN_FLAG
+from sft_recipes.data.sources import load_checked_dataset
 from sft_recipes.errors import RecipeError
 from test_masking import runs
 
@@ -51,6 +55,21 @@ def test_flags_other_than_true_false_or_weight_0_1_are_row_drops():
     assert fmt.row_problem({"messages": [CHAT[0], {**CHAT[1], "weight": 1}, *CHAT[2:]]}) is None
     assert fmt.row_problem({"messages": [CHAT[0], {**CHAT[1], "train": "no"}, *CHAT[2:]]}) == INVALID_TRAIN_FLAG
     assert fmt.row_problem({"messages": [CHAT[0], {**CHAT[1], "weight": 0.5}, *CHAT[2:]]}) == INVALID_TRAIN_FLAG
+
+
+def test_a_flag_of_the_other_json_type_is_a_row_drop_not_a_turn_trained_silently(tmp_path):
+    # `train: 0` passed as False (0 == False) yet trained (the masking keeps only `train: false` out of the loss),
+    # and a file with `false` in one row and `0` in another was an Arrow traceback
+    rows = [[CHAT[0], {**CHAT[1], "train": False}, *CHAT[2:]], [CHAT[0], {**CHAT[1], "train": 0}, *CHAT[2:]],
+            [CHAT[0], {**CHAT[1], "weight": 0}, *CHAT[2:]], [CHAT[0], {**CHAT[1], "weight": False}, *CHAT[2:]],
+            [CHAT[0], {**CHAT[1], "weight": 0.0}, *CHAT[2:]], [CHAT[0], {**CHAT[1], "train": 1}, *CHAT[2:]]]
+    path = tmp_path / "flags.jsonl"
+    path.write_text("".join(json.dumps({"messages": row}) + "\n" for row in rows))
+    dataset, report = load_checked_dataset(SimpleNamespace(
+        dataset_name=str(path), dataset_format="messages", dataset_streaming=False, max_train_samples=None))
+    assert dict(report.dropped) == {INVALID_TRAIN_FLAG: 3}
+    assert [(messages[1]["train"], messages[1]["weight"]) for messages in dataset["messages"]] == [
+        (False, None), (None, 0), (None, 0)]  # Arrow fills the key a row lacks with null
 
 
 def test_train_turns_last_trains_each_conversations_last_reply_and_the_audit_says_so(llama):

@@ -30,8 +30,8 @@ Each dropped row is counted under the first reason that applies:
 - `messages_not_strings`, `strings_not_messages`: TRL's prompt/completion in the other of its two shapes
   (`prompt_completion` given message lists, `prompt_completion_chat` given strings); the refusal of a
   source dropped for them names the format that reads them (`REASON_FIXES`).
-- `invalid_train_flag`: a message's `train` that is not true/false, or a `weight` other than 0 or 1 (a message
-  with `train: false` or `weight: 0` stays in the context and out of the loss; `masking.py`).
+- `invalid_train_flag`: a message's `train` that is not a JSON true/false, or a `weight` other than the number 0
+  or 1 (a message with `train: false` or `weight: 0` stays in the context and out of the loss; `masking.py`).
 - vision_messages rows: `image_count_mismatch`, `misplaced_image`, `missing_image`, `unreadable_image`,
   `image_size` (see `vision.py`); an image conversation longer than a packed block is `overlong`.
 """
@@ -97,6 +97,15 @@ def text_problem(value: Any, required: bool = True) -> str | None:
     return None
 
 
+def valid_train_flags(message: dict[str, Any]) -> bool:
+    """`train` absent or a JSON boolean, `weight` absent or the number 0 or 1. Checked by type, not by Python's
+    equality (0 == False, True == 1): the masking keeps only `train: false` out of the loss, so `train: 0` would
+    train silently, and Arrow cannot store `false` in one row and `0` in another under the same key."""
+    train, weight = message.get("train"), message.get("weight")
+    return (train is None or isinstance(train, bool)) and (
+        weight is None or (not isinstance(weight, bool) and weight in (0, 1)))
+
+
 def messages_problem(messages: Any) -> str | None:
     if messages is None:
         return MISSING_FIELD
@@ -110,7 +119,7 @@ def messages_problem(messages: Any) -> str | None:
             return problem
         if message["role"] not in KNOWN_ROLES:
             return UNKNOWN_ROLE
-        if message.get("train") not in (None, True, False) or message.get("weight") not in (None, 0, 1):
+        if not valid_train_flags(message):
             return INVALID_TRAIN_FLAG
         if message["role"] == "assistant" and message.get("tool_calls") is not None and message.get("content") is None:
             continue  # a reply that only calls tools (the calls are checked by `tools.tool_problem`)
