@@ -248,6 +248,34 @@ def test_a_file_that_is_mostly_not_utf8_is_refused_naming_its_encoding(tmp_path)
         load_checked_dataset(data_args(utf16))
 
 
+
+def test_an_empty_jsonl_is_refused_as_empty_and_unreadable_lines_as_drops_not_as_missing_columns(tmp_path):
+    # both were "has no column(s) ['messages'] ...; it has []. Pick the dataset_format ... or rename the columns"
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n  \n")
+    with pytest.raises(RecipeError) as error:
+        load_checked_dataset(data_args(path, "messages"))
+    assert str(error.value) == (f"{path} holds no row: it is empty (or blank lines only). Put one JSON object per line "
+                                "in it, or point the recipe at the file that holds the rows.")
+    path.write_text("garbage\n[1, 2]\n")
+    with pytest.raises(RecipeError) as error:
+        load_checked_dataset(data_args(path, "messages"))
+    assert str(error.value).startswith(f"Refusing to train: no row is left ({path}: 2 rows read, kept 0, dropped 2 "
+                                       "(100.00%: invalid_json 2), truncated 0; first invalid_json row, line 1: garbage)")
+
+
+def test_a_key_with_values_of_two_types_is_one_refusal_naming_it_not_an_arrow_traceback(tmp_path):
+    ask, reply = {"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}
+    rows = [{"messages": [{**ask, "meta": 1}, reply]}, {"messages": [ask, reply]},
+            {"messages": [{**ask, "meta": "x"}, reply]}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(RecipeError) as error:
+        load_checked_dataset(data_args(path, "messages"))
+    assert str(error.value) == (f"{path}: `messages[].meta` holds values of different types (a number on line 1, a "
+                                "string on line 3), and a column holds one type. Give `messages[].meta` one type in "
+                                "every row, or remove it from the rows.")
+
 # ── A dataset path that is a folder ─────────────────────────────────────────────────────────────
 
 def test_a_folder_without_data_files_is_refused_saying_what_it_holds(tmp_path):

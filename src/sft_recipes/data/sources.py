@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 from datasets import Dataset, IterableDataset, load_dataset
 
 from sft_recipes.data.formats import FORMATS, DatasetFormat
@@ -310,7 +311,7 @@ def source_format(data_args) -> DatasetFormat:
 def _checked_jsonl(path: Path, data_args) -> tuple[Dataset, DataReport]:
     fmt = source_format(data_args)
     report = DataReport(source=str(path))
-    rows, seen_columns = [], set()
+    rows, line_numbers, seen_columns = [], [], set()
     for line in read_jsonl(path):
         report.rows += 1
         row = line.row
@@ -323,12 +324,53 @@ def _checked_jsonl(path: Path, data_args) -> tuple[Dataset, DataReport]:
             report.drop(problem, f"line {line.number}", row)
             continue
         rows.append(fmt.stored_row(row))
-    fmt.check_columns(sorted(seen_columns), data_args.dataset_name)
+        line_numbers.append(line.number)
+    if not report.rows:
+        raise RecipeError(f"{path} holds no row: it is empty (or blank lines only). Put one JSON object per line in "
+                          "it, or point the recipe at the file that holds the rows.")
+    if seen_columns:  # no line was a JSON object: the refusal below counts them, the columns would say nothing
+        fmt.check_columns(sorted(seen_columns), data_args.dataset_name)
     if data_args.max_train_samples is not None:
         rows = rows[: data_args.max_train_samples]
     if not rows:
         report.enforce(0.0)  # raises: nothing is left
-    return Dataset.from_list(rows), report
+    try:
+        return Dataset.from_list(rows), report
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as error:  # OverflowError: an integer past 64 bits
+        raise RecipeError(_unstorable_rows(path, rows, line_numbers, error)) from None
+
+
+def _unstorable_rows(path: Path, rows: list[dict[str, Any]], line_numbers: list[int], error: Exception) -> str:
+    """Why Arrow could not store the rows: a key whose values have one JSON type in some rows and another in others
+    (a column holds one type), named with the first line of each type."""
+    first_lines: dict[str, dict[str, int]] = {}  # key path -> JSON type -> the first line holding it
+    for row, number in zip(rows, line_numbers):
+        for key, json_type in _json_types(row):
+            first_lines.setdefault(key, {}).setdefault(json_type, number)
+    mixed = next(((key, lines) for key, lines in first_lines.items() if len(lines) > 1), None)
+    if mixed is None:
+        return f"{path}: the rows cannot be stored as one table ({error}): fix or remove the values Arrow cannot store."
+    key, lines = mixed
+    where = ", ".join(f"a {json_type} on line {number}" for json_type, number in lines.items())
+    return (f"{path}: `{key}` holds values of different types ({where}), and a column holds one type. Give `{key}` "
+            "one type in every row, or remove it from the rows.")
+
+
+def _json_types(value: Any, key: str = "") -> Iterator[tuple[str, str]]:
+    """(key path, JSON type) of every value under `value`; `messages[].meta` is the key `meta` of each message.
+    Integers and floats are one type (Arrow stores both in a float column); null fits every type."""
+    if isinstance(value, dict):
+        for name, item in value.items():
+            yield from _json_types(item, f"{key}.{name}" if key else name)
+        json_type = "object"
+    elif isinstance(value, list):
+        for item in value:
+            yield from _json_types(item, f"{key}[]")
+        json_type = "list"
+    else:
+        json_type = {bool: "boolean", int: "number", float: "number", str: "string"}.get(type(value))
+    if key and json_type:
+        yield key, json_type
 
 
 def load_checked_dataset(data_args, mark_bad_rows: bool = False) -> tuple[Dataset | IterableDataset, DataReport]:
