@@ -276,6 +276,22 @@ def test_a_key_with_values_of_two_types_is_one_refusal_naming_it_not_an_arrow_tr
                                 "string on line 3), and a column holds one type. Give `messages[].meta` one type in "
                                 "every row, or remove it from the rows.")
 
+
+@pytest.mark.parametrize("name, content, cause", [
+    ("train.csv", b"", "No columns to parse from file"),
+    ("train.json", b"[]", 'Instruction "train" corresponds to no data!'),
+    ("train.parquet", b"not parquet", "Parquet magic bytes not found in footer. Either the file is corrupted or this "
+                                      "is not a parquet file"),
+])
+def test_a_local_file_datasets_cannot_read_is_one_refusal_with_its_cause(tmp_path, name, content, cause):
+    # each was a DatasetGenerationError or ArrowInvalid traceback
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(RecipeError) as error:
+        load_checked_dataset(data_args(path, "messages"))
+    assert str(error.value) == (f"Cannot read the rows of {path} ({cause}). Fix the file, or write the rows as .jsonl "
+                                "(one JSON object per line: a bad line is then a counted drop, not a failed file).")
+
 # ── A dataset path that is a folder ─────────────────────────────────────────────────────────────
 
 def test_a_folder_without_data_files_is_refused_saying_what_it_holds(tmp_path):

@@ -19,12 +19,14 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 from datasets import Dataset, IterableDataset, load_dataset
+from datasets.exceptions import DatasetGenerationError
 
 from sft_recipes.data.formats import FORMATS, DatasetFormat
 from sft_recipes.data.report import EXCERPT_CHARS, DataReport
@@ -48,13 +50,16 @@ def load_raw_dataset(data_args) -> Dataset | IterableDataset:
         if builder is None:
             raise RecipeError(f"Cannot read {path}: its suffix is not one of {sorted(LOCAL_BUILDERS)}; convert it to one of "
                               "them, or give a Hub dataset id.")
-        dataset = load_dataset(builder, data_files={split: str(path)}, split=split, streaming=data_args.dataset_streaming)
+        with refusing_unreadable(path):
+            dataset = load_dataset(builder, data_files={split: str(path)}, split=split,
+                                   streaming=data_args.dataset_streaming)
     elif path.is_dir():
         if not getattr(data_args, "dataset_data_files", None):  # data_files chooses the files itself
             refuse_directory_without_data(path / (getattr(data_args, "dataset_data_dir", None) or ""))
-        dataset = load_dataset(str(path), split=split, streaming=data_args.dataset_streaming,
-                               data_dir=getattr(data_args, "dataset_data_dir", None),
-                               data_files=getattr(data_args, "dataset_data_files", None))
+        with refusing_unreadable(path):
+            dataset = load_dataset(str(path), split=split, streaming=data_args.dataset_streaming,
+                                   data_dir=getattr(data_args, "dataset_data_dir", None),
+                                   data_files=getattr(data_args, "dataset_data_files", None))
     else:
         refuse_missing_local_path(name)
         dataset = load_dataset(
@@ -74,6 +79,19 @@ def load_raw_dataset(data_args) -> Dataset | IterableDataset:
         else:
             dataset = dataset.select(range(min(data_args.max_train_samples, len(dataset))))
     return dataset
+
+
+@contextmanager
+def refusing_unreadable(path: Path) -> Iterator[None]:
+    """RecipeError for a local file or folder that `datasets` cannot read (an empty or cut .csv/.json/.parquet, JSON
+    that is not rows): its builder's error, not a traceback. ArrowInvalid is a ValueError."""
+    try:
+        yield
+    except (DatasetGenerationError, ValueError) as error:
+        cause = error.__cause__ or error  # DatasetGenerationError only says 'An error occurred'; its cause says what
+        raise RecipeError(f"Cannot read the rows of {path} ({str(cause).rstrip('.')}). Fix the file, or write the rows "
+                          "as .jsonl (one JSON object per line: a bad line is then a counted drop, not a failed file)."
+                          ) from None
 
 
 def refuse_missing_local_path(name: str, key: str = "dataset_name") -> None:
