@@ -18,7 +18,7 @@ from sft_recipes.config import load_recipe
 from sft_recipes.data.blocks import RankLocalBlockStream
 from sft_recipes.data.formats import FORMATS, Tokenization, alpaca_to_prompt_completion
 from sft_recipes.data.heldout import is_held_out, split_held_out
-from sft_recipes.data.mixture import draw_rows, mixture_rows, training_sources
+from sft_recipes.data.mixture import describe_eval, draw_rows, mixture_rows, token_counts, training_sources
 from sft_recipes.data.report import DataReport
 from sft_recipes.data.sources import DatasetSource, load_checked_dataset
 from sft_recipes.data.stream_reads import StreamedRowDropsCallback
@@ -237,6 +237,20 @@ def test_a_source_of_mostly_bad_rows_is_refused_for_them_before_its_held_out_spl
         "1, dropped 2 (66.67%: not_a_message_list 2), truncated 0; first not_a_message_list row, line 2: "
         '{"messages": "Hi?"}). Fix the rows, check dataset_format, or raise max_dropped_share if dropping them is '
         "intended.")
+
+
+def test_eval_datasets_rows_dropped_as_read_are_counted_on_the_eval_line(tmp_path):
+    # they were dropped with no word: the line said "1 rows" of an eval file of 3
+    good = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in [good, {"messages": "Hi?"}, {"prompt": "Hi?"}]))
+    recipe = load_recipe(write_recipe(tmp_path, dataset_name=ULTRACHAT, eval_strategy="steps", eval_steps=10,
+                                      eval_datasets=[{"path": str(path), "dataset_format": "messages"}]))
+    data = build_source_data(recipe, AutoTokenizer.from_pretrained(ensure_tiny("llama")))
+    assert data.eval_dropped == {"missing_field": 1, "not_a_message_list": 1}
+    assert describe_eval(data.eval, token_counts(data.eval), data.eval_left_out, dropped=data.eval_dropped) == (
+        "[data] eval: 1 rows, 73 tokens, 5 supervised; 2 rows of eval_datasets dropped as read (missing_field 1, "
+        "not_a_message_list 1)")
 
 def test_streamed_packed_mixture_is_read_once_by_the_per_rank_and_worker_readers(tmp_path, monkeypatch):
     thinking = "data/samples/multilingual_thinking.jsonl"

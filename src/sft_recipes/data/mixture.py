@@ -200,6 +200,8 @@ class SourceData:
     raw_eval: list[tuple[Dataset, str]]  # the same for the eval rows
     # packed eval conversations left out, by reason (eval_blocks): ANSWER_PAST_BLOCK or the masker's drop reason
     eval_left_out: dict[str, int] = field(default_factory=dict)
+    # eval_datasets rows that break their format, by reason (dropped as read, as a training source's are)
+    eval_dropped: dict[str, int] = field(default_factory=dict)
 
 
 def _load(source: DatasetSource, streaming: bool, max_rows: int | None = None, mark_bad_rows: bool = False
@@ -250,8 +252,10 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
             if streaming:  # cut as it is read: a row left without a target is dropped and counted there
                 rows = rows.filter(functools.partial(_has_target, source=checked.stream_key))
         train_parts.append(rows)
+    eval_dropped = Counter()
     for source in eval_sources(data_args):
-        rows, _ = _load(source, streaming=False)  # eval data is finite: read whole, never streamed
+        rows, checked = _load(source, streaming=False)  # eval data is finite: read whole, never streamed
+        eval_dropped += checked.dropped
         eval_parts.append((source, _eval_rows(FORMATS[source.dataset_format].rows_to_train(rows, turns), source)))
     entries = report.sources
     if streaming:
@@ -272,7 +276,8 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
     eval_data, eval_left_out = _eval_dataset(eval_parts, packs, tokenization, tokenizer, block_length,
                                              images=has_images(data_args))
     return SourceData(train, eval_data, report, raw_train,
-                      [(rows, source.dataset_format) for source, rows in eval_parts], eval_left_out)
+                      [(rows, source.dataset_format) for source, rows in eval_parts], eval_left_out,
+                      dict(eval_dropped))
 
 
 def with_aligned_messages(parts: list[Dataset]) -> list[Dataset]:
@@ -394,8 +399,9 @@ def _eval_dataset(parts: list[tuple[DatasetSource, Dataset]], packs: bool, token
 
 
 def describe_eval(dataset: Dataset | None, counts: tuple[int, int] = (0, 0), left_out: dict[str, int] | None = None,
-                  block_length: int | None = None) -> str:
-    """The `[data] eval:` line; `counts`: the set's (tokens, supervised tokens), token_counts(dataset)."""
+                  block_length: int | None = None, dropped: dict[str, int] | None = None) -> str:
+    """The `[data] eval:` line; `counts`: the set's (tokens, supervised tokens), token_counts(dataset); `dropped`:
+    the eval_datasets rows dropped as read, by reason (SourceData.eval_dropped)."""
     if dataset is None:
         return "[data] eval: none (set test_split_size or eval_datasets)"
     tokens, supervised = counts
@@ -403,7 +409,11 @@ def describe_eval(dataset: Dataset | None, counts: tuple[int, int] = (0, 0), lef
             if "seq_lengths" in dataset.column_names else f"{len(dataset):,} rows")
     if left_out:
         what += f" ({sum(left_out.values()):,} left out: {_left_out_reasons(left_out, block_length)})"
-    return f"[data] eval: {what}, {tokens:,} tokens, {supervised:,} supervised"
+    line = f"[data] eval: {what}, {tokens:,} tokens, {supervised:,} supervised"
+    if dropped:
+        reasons = ", ".join(f"{reason} {count:,}" for reason, count in sorted(dropped.items()))
+        line += f"; {sum(dropped.values()):,} rows of eval_datasets dropped as read ({reasons})"
+    return line
 
 
 def _left_out_reasons(left_out: dict[str, int], block_length: int | None) -> str:

@@ -96,7 +96,8 @@ def build_data(run: Run, tokenizer) -> RunData:
     if run.is_main:
         print(report.format(), flush=True)
         print(eval_data.describe() if packed_images else
-              describe_eval(eval_data, eval_counts, sources.eval_left_out, training.max_length), flush=True)
+              describe_eval(eval_data, eval_counts, sources.eval_left_out, training.max_length, sources.eval_dropped),
+              flush=True)
     report.enforce(data_args.max_dropped_share)
     if not packed_images:
         refuse_eval_without_answers(eval_data, eval_counts[1], sources.eval_left_out, training.max_length)
