@@ -83,6 +83,8 @@ def test_turns_cut_before_their_stop_token_are_reported(llama):
 
     gone = audit_masks(llama, [GREETING], n=0, max_length=header_tokens)
     assert gone.dropped == {TRUNCATED_AWAY: 1} and gone.kept == 0 and gone.supervised_share == 0.0
+    # it said "every one ends with its stop token: yes" of no turn at all
+    assert format_report(gone).splitlines()[-1] == "assistant turns supervised: 0"
 
 
 def test_report_names_rerendered_turns_and_unrendered_reasoning(qwen3):
