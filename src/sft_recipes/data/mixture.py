@@ -227,9 +227,6 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
         rows, checked = _load(source, streaming, None if data_args.datasets else data_args.max_train_samples, marked)
         entry = SourceReport(checked=checked, fraction=source.fraction)
         report.sources.append(entry)
-        # Rows that break the format are the first thing to fix: refused before a split of the rows left can be
-        # (a file of mostly bad rows would otherwise be told to raise test_split_size); later drops only add to them
-        checked.enforce(data_args.max_dropped_share)
         if data_args.test_split_size:
             rows, held_out = split_held_out(rows, data_args.test_split_size)
             entry.eval_rows = len(held_out)
