@@ -222,6 +222,22 @@ def test_all_exhausted_repeats_the_smaller_share_and_reports_it(tmp_path):
     assert data.eval is None
 
 
+
+def test_a_source_of_mostly_bad_rows_that_holds_out_no_row_is_refused_for_its_bad_rows(tmp_path):
+    # it was refused with "test_split_size=0.05 holds out no row of ...: raise test_split_size": the wrong fix
+    good = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in [good, {"messages": "Hi?"}, {"messages": "Hello?"}]))
+    recipe = load_recipe(write_recipe(tmp_path, dataset_name=str(path), test_split_size=0.05))
+    assert not is_held_out(good, 0.05)  # the split leaves no eval row
+    with pytest.raises(RecipeError) as error:
+        build_source_data(recipe, AutoTokenizer.from_pretrained(ensure_tiny("llama")))
+    assert str(error.value) == (
+        f"Refusing to train: 66.67% of the rows are bad, more than max_dropped_share=0.05 ({path}: 3 rows read, kept "
+        "1, dropped 2 (66.67%: not_a_message_list 2), truncated 0; first not_a_message_list row, line 2: "
+        '{"messages": "Hi?"}). Fix the rows, check dataset_format, or raise max_dropped_share if dropping them is '
+        "intended.")
+
 def test_eval_datasets_rows_dropped_as_read_are_counted_on_the_eval_line(tmp_path):
     # they were dropped with no word: the line said "1 rows" of an eval file of 3
     good = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}

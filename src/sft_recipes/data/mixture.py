@@ -230,7 +230,8 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
         if data_args.test_split_size:
             rows, held_out = split_held_out(rows, data_args.test_split_size)
             entry.eval_rows = len(held_out)
-            if len(held_out) == 0:
+            if len(held_out) == 0:  # a file of mostly bad rows: those are the fix, not test_split_size
+                checked.enforce(data_args.max_dropped_share)
                 raise RecipeError(f"test_split_size={data_args.test_split_size} holds out no row of {source.label}: "
                                   "raise test_split_size, or give eval_datasets.")
             eval_parts.append((source, _eval_rows(fmt.rows_to_train(held_out, turns), source)))
