@@ -8,6 +8,7 @@ import pytest
 import yaml
 from transformers import PretrainedConfig
 
+from conftest import REPO_ROOT
 from sft_recipes.batching import derive_gradient_accumulation
 from sft_recipes.config import RecipeError, load_recipe
 from sft_recipes.lint import LintContext, lint_recipe
@@ -158,6 +159,22 @@ def test_bf16_rule_on_a_gpu_without_bf16(tmp_path, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     with pytest.raises(RecipeError, match="this GPU has no bf16"):
         lint(rec, accelerator=True)
+
+
+@pytest.mark.parametrize(("launched", "changes", "config_named"), [
+    ("bf16", {}, "'no' (accelerate_configs/fsdp2_cpu.yaml)"),
+    ("no", {"bf16": True}, "'bf16' (on CPU accelerate_configs/fsdp2_cpu_bf16.yaml or hsdp_cpu_bf16.yaml, on GPUs the "
+                           "others)"),
+])
+def test_a_precision_the_launch_overrules_names_a_config_that_agrees(tmp_path, monkeypatch, launched, changes,
+                                                                     config_named):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launched)
+    with pytest.raises(RecipeError, match=re.escape(f"launch with an accelerate config whose mixed_precision is "
+                                                    f"{config_named}, or change bf16/fp16 in the recipe")):
+        lint(recipe(tmp_path, **changes))
+    asked = "bf16" if changes else "no"
+    for shipped in re.findall(r"\w+\.yaml", config_named):  # each config named launches what the recipe asks
+        assert yaml.safe_load((REPO_ROOT / "accelerate_configs" / shipped).read_text())["mixed_precision"] == asked
 
 
 def test_global_batch_and_explicit_accumulation_conflict(tmp_path):

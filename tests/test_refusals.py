@@ -148,7 +148,21 @@ def test_the_most_common_refusals_end_with_what_to_do(tmp_path):
     assert "has dataset_format 'alpaca'; pack_blocks packs chat conversations (alpaca_chat or messages or " in message
     assert "): set pack_blocks: false, or dataset_format: alpaca_chat on this source (its rows as chat conversations)" \
         in message
-    assert message.endswith(f"Fix that key in {TINY_LLAMA_RECIPE} or its --key override.")
+    assert message.endswith("Fix it where it is set: pack_blocks (set by --pack_blocks), datasets (set by --datasets); "
+                            f"else in {TINY_LLAMA_RECIPE}.")
+    # transformers' own refusals: its lines joined into one, and the override named by the value it quotes.
+    message = _refusal(TINY_LLAMA_RECIPE, ["--lr_scheduler_type", "nope", "--max_steps", "3"])
+    assert "TrainingArguments rejected the recipe: nope is not a valid SchedulerType" in message
+    assert message.endswith(f"Fix it where it is set: lr_scheduler_type (set by --lr_scheduler_type); "
+                            f"else in {TINY_LLAMA_RECIPE}.")
+    message = _refusal(TINY_LLAMA_RECIPE, ["--load_best_model_at_end", "true", "--save_strategy", "epoch"])
+    assert "\n" not in message
+    assert "but found - Evaluation strategy: IntervalStrategy.NO - Save strategy: SaveStrategy.EPOCH." in message
+    assert message.endswith("Fix it where it is set: load_best_model_at_end (set by --load_best_model_at_end), "
+                            f"save_strategy (set by --save_strategy); else in {TINY_LLAMA_RECIPE}.")
+    in_the_file.write_text(TINY_LLAMA_RECIPE.read_text() + "\nlr_scheduler_type: nope\n")
+    message = _refusal(in_the_file, ["--max_steps", "3"])
+    assert message.endswith(f"Fix that key in {in_the_file}.")
 
 
 def test_train_says_a_missing_recipe_is_missing_before_looking_for_its_header(tmp_path):

@@ -491,6 +491,19 @@ def _where_an_override_is_set(key: str, overrides_source: str) -> str:
     return f" (set in the {overrides_source} overrides)"
 
 
+def _where_to_fix_a_rejection(message: str, values: dict[str, Any], set_by: dict[str, str], path) -> str:
+    """A dataclass's own refusal names a key or its value, not where it was set: name the overrides it mentions."""
+    def mentioned(key: str) -> bool:
+        value = values.get(key)
+        return re.search(rf"\b{re.escape(key)}\b", message) is not None or (
+            isinstance(value, str) and len(value) > 1 and value in message)
+
+    overridden = [f"{key}{set_by[key]}" for key in set_by if mentioned(key)]
+    if overridden:
+        return f"Fix it where it is set: {', '.join(overridden)}; else in {path}"
+    return f"Fix that key in {path}"
+
+
 def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] | None = None,
                 planning: bool = False, overrides_source: str = "command_line",
                 override_origins: dict[str, str] | None = None) -> Recipe:
@@ -563,8 +576,8 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
         try:
             built.append(cls(**kwargs[cls]))
         except (ValueError, TypeError) as err:
-            raise RecipeError(f"{path}: {cls.__name__} rejected the recipe: {str(err).rstrip('.')}. Fix that key in "
-                              f"{path} or its --key override.") from None
+            raise RecipeError(f"{path}: {cls.__name__} rejected the recipe: {' '.join(str(err).split()).rstrip('.')}. "
+                              f"{_where_to_fix_a_rejection(str(err), values, set_by, path)}.") from None
     data, model, training = built
     return Recipe(data=data, model=model, training=training, source=Path(path), values=values,
                   overrides={name: {key: interpolate_env(value, []) for key, value in given.items()}

@@ -156,7 +156,9 @@ def mixed_precision_differs_from_launch(recipe: Recipe, ctx: LintContext) -> str
         return None
     # transformers takes the recipe's bf16/fp16 when set, else the launcher's value: one side is silently overruled.
     computes = asked if asked != "no" else launched.lower()
-    example = " (accelerate_configs/fsdp2_cpu.yaml)" if asked == "no" else ""
+    example = {"no": " (accelerate_configs/fsdp2_cpu.yaml)",
+               "bf16": " (on CPU accelerate_configs/fsdp2_cpu_bf16.yaml or hsdp_cpu_bf16.yaml, on GPUs the others)"
+               }.get(asked, "")
     return (f"the accelerate config launches with mixed_precision: {launched} but the recipe says bf16: "
             f"{str(t.bf16).lower()}, fp16: {str(t.fp16).lower()}, so the run would silently compute in {computes} (and "
             f"an fp32 export check then fails); make them agree: launch with an accelerate config whose mixed_precision "
