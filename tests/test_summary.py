@@ -50,7 +50,7 @@ def test_a_resumed_run_keeps_the_losses_logged_before_its_checkpoint():
 
 def test_the_wait_for_data_is_shown_beside_the_steps_and_warned_about_when_it_dominates():
     """8000 x 8000 images: 57 s a step, of which the step itself took 1.01 s (the fetch comes before it)."""
-    from sft_recipes.reporting.data_wait import DataWaitMixin, data_wait_warning
+    from sft_recipes.reporting.data_wait import DataWaitMixin, data_wait_warning, per_step_text
 
     class Fetching:
         def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -84,6 +84,8 @@ def test_the_wait_for_data_is_shown_beside_the_steps_and_warned_about_when_it_do
     quick = callback.finish(2.1, "out", ExportCheck("skipped"), None, "", data_wait_seconds=0.08)  # 0.04 s a step: not worth a word
     assert "waiting" not in RunSummaryCallback.closing_line(quick)
     assert data_wait_warning(quick["seconds_per_step"], quick["seconds_waiting_for_data_per_step"], 0) is None
+    assert per_step_text(0.02, 0.004) == "0.02s/step"  # a fifth of the step, but it would print as 0.00s
+    assert per_step_text(0.02, 0.005) == "0.02s/step + 0.01s/step waiting for data"
 
 
 def test_the_export_check_and_what_it_left_out_are_in_the_summary_and_read_back():

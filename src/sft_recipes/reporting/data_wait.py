@@ -33,7 +33,8 @@ def per_step_text(seconds_per_step: float | None, waiting_per_step: float | None
     if not seconds_per_step:
         return "n/a"
     text = f"{seconds_per_step:.2f}s/step"
-    if waiting_per_step and waiting_per_step >= SHOWN_SHARE * seconds_per_step:
+    # A very short step's tenth can round to "0.00s": shown only where the printed wait is not zero.
+    if waiting_per_step and waiting_per_step >= max(SHOWN_SHARE * seconds_per_step, 0.005):
         text += f" + {waiting_per_step:.2f}s/step waiting for data"
     return text
 
