@@ -257,6 +257,10 @@ def test_an_empty_jsonl_is_refused_as_empty_and_unreadable_lines_as_drops_not_as
         load_checked_dataset(data_args(path, "messages"))
     assert str(error.value) == (f"{path} holds no row: it is empty (or blank lines only). Put one JSON object per line "
                                 "in it, or point the recipe at the file that holds the rows.")
+    streamed = SimpleNamespace(**{**vars(data_args(path, "messages")), "dataset_streaming": True})
+    with pytest.raises(RecipeError) as streamed_error:  # was: "nothing to learn" once the packed stream ran dry
+        load_checked_dataset(streamed, mark_bad_rows=True)
+    assert str(streamed_error.value) == str(error.value)
     path.write_text("garbage\n[1, 2]\n")
     with pytest.raises(RecipeError) as error:
         load_checked_dataset(data_args(path, "messages"))

@@ -309,7 +309,16 @@ def without_marked_rows(rows: IterableDataset) -> IterableDataset:
     return rows.filter(lambda row: row[ROW_PROBLEM] is None)
 
 
+def _refuse_a_file_without_rows(path: Path) -> None:
+    raise RecipeError(f"{path} holds no row: it is empty (or blank lines only). Put one JSON object per line in it, "
+                      "or point the recipe at the file that holds the rows.")
+
+
 def _streamed_jsonl(path: Path, data_args, mark_bad_rows: bool) -> tuple[IterableDataset, DataReport]:
+    # Read up to the first line that is not blank, not the stream: an empty file would otherwise train on nothing.
+    with path.open("rb") as lines:
+        if not any(line.strip() for line in lines):
+            _refuse_a_file_without_rows(path)
     # `datasets`' json builder fails the whole stream on one bad line; read it line by line instead.
     dataset = IterableDataset.from_generator(_valid_jsonl_rows, gen_kwargs={
         "path": str(path), "dataset_format": data_args.dataset_format, "mark_bad_rows": mark_bad_rows,
@@ -344,8 +353,7 @@ def _checked_jsonl(path: Path, data_args) -> tuple[Dataset, DataReport]:
         rows.append(fmt.stored_row(row))
         line_numbers.append(line.number)
     if not report.rows:
-        raise RecipeError(f"{path} holds no row: it is empty (or blank lines only). Put one JSON object per line in "
-                          "it, or point the recipe at the file that holds the rows.")
+        _refuse_a_file_without_rows(path)
     if seen_columns:  # no line was a JSON object: the refusal below counts them, the columns would say nothing
         fmt.check_columns(sorted(seen_columns), data_args.dataset_name)
     if data_args.max_train_samples is not None:
