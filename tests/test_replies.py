@@ -4,6 +4,7 @@ for transformers' kernel fall-backs instead of one per kernel."""
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 
@@ -91,13 +92,18 @@ def test_other_ranks_drop_the_kernel_fall_backs_once_per_process(monkeypatch):
     logger.setLevel(logging.WARNING)
     logger.addHandler(records)
     try:
-        for _ in range(2):  # two runs in one rank-1 process
-            one_voice(rank=1)
-        _warn_kernel_fall_backs(logger)
-        logger.warning("another warning")
-        added = len(logger.filters) - len(filters)
+        with warnings.catch_warnings(record=True) as warned:  # the filters one_voice adds end with the block
+            warnings.simplefilter("always")
+            for _ in range(2):  # two runs in one rank-1 process
+                one_voice(rank=1)
+            _warn_kernel_fall_backs(logger)
+            logger.warning("another warning")
+            added = len(logger.filters) - len(filters)
+            warnings.warn("Triton is not supported on current platform, roll back to CPU.", UserWarning)  # fla's
+            warnings.warn("another user warning", UserWarning)
     finally:
         logger.removeHandler(records)
         logger.setLevel(level)
         logger.filters[:] = filters
     assert (added, records.messages) == (1, ["another warning"])
+    assert [str(warning.message) for warning in warned] == ["another user warning"]

@@ -6,7 +6,7 @@
   trained on ...`) and warnings stay, but for one that every rank meets alike: transformers' "`causal_conv1d_fn`
   is falling back to its reference PyTorch implementation" (a Qwen3.5 run without a GPU kernel package)
   is left to rank 0, which says it once per missing package (`replies.one_kernel_fallback_line`), not 16
-  times per kernel on 2 nodes of 8 GPUs.
+  times per kernel on 2 nodes of 8 GPUs; so is fla's "Triton is not supported on current platform" on CPU.
 - `step_line`: the log of a step as one line -- `step 20/60 | loss 1.2345 | eval loss 1.3010 (step 10)
   | lr 2.00e-05 | grad norm 0.84 | 1,854 tokens/s/device | MFU 41.2% | peak 61.3 GiB | ETA 0:04:10`
   -- instead of transformers' dict of quoted strings; an eval prints `step 10/60 | eval loss 1.3010`.
@@ -28,12 +28,13 @@ import logging
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from sft_recipes.errors import forget_refusal_hooks, on_refusal
-from sft_recipes.reporting.replies import KERNELS_LOGGER, drop_kernel_fallbacks, one_kernel_fallback_line
+from sft_recipes.reporting.replies import FLA_ON_CPU, KERNELS_LOGGER, drop_kernel_fallbacks, one_kernel_fallback_line
 
 TRAIN_LOG = "train.log"
 
@@ -55,6 +56,7 @@ def one_voice(rank: int | None = None) -> None:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_warning()
     logging.getLogger(KERNELS_LOGGER).addFilter(drop_kernel_fallbacks)
+    warnings.filterwarnings("ignore", message=FLA_ON_CPU, category=UserWarning)
 
 
 # ── One line per logging step ────────────────────────────────────────────────────────────────────

@@ -7,6 +7,8 @@
 - transformers says, once per kernel, that a missing GPU kernel package (`causal_conv1d`,
   `flash-linear-attention`) falls back to its reference PyTorch implementation: four lines before every Qwen3.5
   answer on CPU. One line per missing package says it instead, naming it (a CPU machine may have fla installed).
+  fla itself, installed on a machine without a GPU, warns at import that it runs on CPU (`FLA_ON_CPU`): rank 0
+  says it, the other ranks do not.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from transformers import TextStreamer
 EMPTY_THINKING = re.compile(r"^\s*<think>\s*</think>\s*")
 KERNEL_FALLBACK = "is falling back to its reference PyTorch implementation"
 KERNELS_LOGGER = "transformers.integrations.hub_kernels"
+FLA_ON_CPU = "Triton is not supported on current platform"  # fla.utils.hardware's UserWarning at import
 MISSING_PACKAGE = re.compile(r"because `([^`]+)` is not installed")
 
 
