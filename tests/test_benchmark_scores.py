@@ -416,11 +416,32 @@ def test_evaluate_py_names_its_own_option_when_it_refuses_a_task(capsys):
 def test_a_model_that_is_neither_a_folder_nor_on_the_hub_is_one_refusal(tmp_path):
     evaluate = _evaluate_script()
     with pytest.raises(RecipeError) as refused:
-        evaluate.load_model(str(tmp_path / "not-a-run"), None)
-    assert str(refused.value).startswith(f"MODEL '{tmp_path / 'not-a-run'}' is not a folder here and not a model the "
+        evaluate.load_model(str(tmp_path / "no-folder" / "not-a-run"), None)
+    assert str(refused.value).startswith(f"MODEL '{tmp_path / 'no-folder' / 'not-a-run'}' is not a folder here and not "
+                                         "a model the "
                                          "Hugging Face Hub gives (")
     assert str(refused.value).endswith("): pass a run's output_dir, a model folder, or a Hub id (with --revision; "
                                        "HF_TOKEN for a gated model)")
+
+
+def test_a_mistyped_folder_in_a_folder_here_is_refused_without_asking_the_hub(tmp_path, monkeypatch):
+    import transformers
+
+    def hub(*args, **kwargs):
+        raise AssertionError("asked the Hub (offline, huggingface_hub retries for ~30 s)")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", hub)
+    evaluate = _evaluate_script()
+    (tmp_path / "outputs" / "demo").mkdir(parents=True)
+    (tmp_path / "outputs" / "mine").mkdir()
+    (tmp_path / "outputs" / "notes.txt").write_text("")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError) as refused:
+        evaluate.load_model("outputs/dmeo", None)
+    assert str(refused.value) == ("MODEL 'outputs/dmeo' is not a folder here (outputs is; it holds demo, mine): pass a "
+                                  "run's output_dir, a model folder, or a Hub id")
+    with pytest.raises(AssertionError, match="asked the Hub"):  # an owner/name with no such folder here is a Hub id
+        evaluate.load_model("meta-llama/Llama-3.1-8B", None)
 
 
 def test_ifeval_local_is_lm_evals_ifeval_on_the_real_prompts_read_offline():
