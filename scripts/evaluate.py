@@ -94,13 +94,12 @@ def hub_config(name: str, revision: str | None):
     """A Hub model's config; a name that is neither a folder here nor a model the Hub gives is one refusal."""
     from transformers import AutoConfig
 
-    parent = Path(name).parent
-    if parent != Path(".") and parent.is_dir():  # `outputs/nope`: a path here, mistyped; offline the Hub retries 30 s
-        folders = sorted(entry.name for entry in parent.iterdir() if entry.is_dir())
-        more = f" and {len(folders) - 8} more" if len(folders) > 8 else ""
-        held = f"it holds {', '.join(folders[:8])}{more}" if folders else "it holds no folder"
-        raise RecipeError(f"MODEL {name!r} is not a folder here ({parent} is; {held}): pass a run's output_dir, a "
-                          "model folder, or a Hub id")
+    from sft_recipes.loading import a_mistyped_local_folder
+
+    beside = a_mistyped_local_folder(name)
+    if beside:
+        raise RecipeError(f"MODEL {name!r} is not a folder here ({beside}): pass a run's output_dir, a model folder, or "
+                          "a Hub id")
     try:
         return AutoConfig.from_pretrained(name, revision=revision)
     except OSError as err:  # no such repo or revision, no network, a gated model without a token

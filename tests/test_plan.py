@@ -8,6 +8,7 @@ import shutil
 import warnings
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from sft_recipes.architectures.towers import freeze_vision_tower
 from sft_recipes.launch import read_accelerate_config
 from sft_recipes.loading import read_model_config
 from sft_recipes.config import load_recipe
+from sft_recipes.errors import RecipeError
 from sft_recipes.planner.communication import estimate_step_time
 from sft_recipes.planner.memory import (
     FRAGMENTATION_FRACTION, GIB, MemoryEstimate, activation_bytes_per_token, estimate_memory,
@@ -597,6 +599,37 @@ def test_eval_peak_keeps_no_gradients_and_no_full_logits():
     # Under SP each rank evaluates whole blocks: training's peak shrinks with the SP size, eval's does not.
     sp = make_plan(config, dataclasses.replace(setup, sequence_parallel_size=4))
     assert sp.memory.total < plan.memory.total and sp.eval_gib == pytest.approx(plan.eval_gib)
+
+
+def test_a_model_neither_here_nor_on_the_hub_is_one_line_before_the_tokenizer_or_the_weights(tmp_path, monkeypatch):
+    import transformers
+
+    import sft_recipes.loading as loading
+
+    asked = []
+
+    def offline_hub(name, **kwargs):  # what AutoConfig raises offline, after huggingface_hub's ~30 s of retries
+        asked.append(name)
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in "
+                      "the cached files.\nCheck your internet connection or see how to run the library in offline mode")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline_hub)
+    source = loading.ModelSource(SimpleNamespace(model_name_or_path="meta-llama/Llama-3.1-8B", model_revision=None))
+    with pytest.raises(RecipeError) as err:
+        source.ensure_files()  # a run and --audit-data call it before loading the tokenizer or the weights
+    assert str(err.value) == (
+        "meta-llama/Llama-3.1-8B is not a folder here and the Hugging Face Hub does not give it (We couldn't connect "
+        "to 'https://huggingface.co' to load the files, and couldn't find them in the cached files.): fix "
+        "model_name_or_path (a model folder or a Hub id; model_revision for another revision, HF_TOKEN for a gated "
+        "model).")
+    # A name under a folder that is here is a mistyped path: refused without asking the Hub, naming what is there.
+    (tmp_path / "outputs" / "demo").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for download in (True, False):
+        with pytest.raises(RecipeError) as err:
+            read_model_config("outputs/dmeo", download=download)
+        assert str(err.value) == "outputs/dmeo is not a folder here (outputs is; it holds demo): fix model_name_or_path."
+    assert asked == ["meta-llama/Llama-3.1-8B"]
 
 
 def test_a_model_missing_from_the_cache_names_the_shipped_config_files(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, bin_path, run_command
+from conftest import REPO_ROOT, TINY_LLAMA_RECIPE, bin_path, run_command
 from sft_recipes.preflight_launch import preflight
 
 
@@ -109,6 +109,22 @@ def test_recipe_check_passes_every_shipped_cpu_launch():
 
     for recipe in sorted((REPO_ROOT / "recipes" / "tiny").glob("*.yaml")):
         assert recipe_refusal("accelerate_configs/fsdp2_cpu.yaml", str(recipe), [], None, has_accelerator=False) is None
+
+
+def test_a_model_path_that_is_not_here_is_refused_before_the_launch(tmp_path, monkeypatch):
+    """Each rank refused it, and torchrun's report of failed ranks followed; a Hub id is left to the run."""
+    from sft_recipes.preflight_launch import recipe_refusal
+
+    (tmp_path / "outputs" / "demo").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    config, recipe = str(REPO_ROOT / "accelerate_configs" / "fsdp2_cpu.yaml"), str(REPO_ROOT / TINY_LLAMA_RECIPE)
+    data = ["--dataset_name", str(REPO_ROOT / "data" / "samples" / "alpaca.jsonl")]  # the recipe's, from here
+    refusals = {name: recipe_refusal(config, recipe, ["--model_name_or_path", name, *data], None, has_accelerator=False)
+                for name in ("outputs/dmeo", "configs/llama.json", "meta-llama/Llama-3.1-8B", "outputs/demo")}
+    assert refusals == {
+        "outputs/dmeo": "outputs/dmeo is not a folder here (outputs is; it holds demo): fix model_name_or_path.",
+        "configs/llama.json": "Model config configs/llama.json does not exist: fix model_name_or_path.",
+        "meta-llama/Llama-3.1-8B": None, "outputs/demo": None}
 
 
 def test_a_config_the_launch_script_cannot_read_is_one_line_before_torchrun():

@@ -44,13 +44,17 @@ def read_model_config(model_name_or_path: str | Path, revision: str | None = Non
                 f"({str(error).strip().splitlines()[0]}): point model_name_or_path at a model's config.json or its "
                 "directory."
             ) from None
-    if path.suffix == ".json" or name.startswith((".", "/", "~")):
-        raise RecipeError(f"Model config {path} does not exist: fix model_name_or_path.")
+    refuse_a_missing_local_model(name)
     try:
         return AutoConfig.from_pretrained(name, revision=revision, local_files_only=not download)
     except OSError as error:
-        if download:
-            raise
+        if download:  # no such repo or revision, no network, a gated model without a token: transformers' first line
+            raise RecipeError(
+                f"{name} is not a folder here and the Hugging Face Hub does not give it "
+                f"({str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}): fix "
+                "model_name_or_path (a model folder or a Hub id; model_revision for another revision, HF_TOKEN for a "
+                "gated model)."
+            ) from None
         shipped = next((path for path in (SHIPPED_MODEL_CONFIGS / f"{name.replace('/', '__')}{suffix}"
                                           for suffix in (".json", ".derived.json")) if path.is_file()), None)
         example = (f"`--model_name_or_path {shipped.as_posix()}` (shipped with this clone)" if shipped else
@@ -60,6 +64,30 @@ def read_model_config(model_name_or_path: str | Path, revision: str | None = Non
             f"`.venv/bin/hf download {name} config.json`, or point model_name_or_path at a local config.json file "
             f"(or a directory holding one), e.g. {example}."
         ) from error
+
+
+def refuse_a_missing_local_model(name: str) -> None:
+    """A model_name_or_path written as a path here (a .json, ./, /, ~, or under a folder that is here) that is not
+    here: refused without asking the Hub. Anything else is left to the Hub (or is here)."""
+    path = Path(name).expanduser()
+    if name.startswith(TINY_SCHEME) or path.exists():
+        return
+    if path.suffix == ".json" or name.startswith((".", "/", "~")):
+        raise RecipeError(f"Model config {path} does not exist: fix model_name_or_path.")
+    beside = a_mistyped_local_folder(name)
+    if beside:
+        raise RecipeError(f"{name} is not a folder here ({beside}): fix model_name_or_path.")
+
+
+def a_mistyped_local_folder(name: str) -> str | None:
+    """What the folder above `name` holds, where that folder is here (`outputs/dmeo`): such a name means a path here,
+    mistyped, not a Hub id, which offline the Hub would be asked for through ~30 s of retries. None for any other."""
+    parent = Path(name).expanduser().parent
+    if parent == Path(".") or not parent.is_dir():
+        return None
+    folders = sorted(entry.name for entry in parent.iterdir() if entry.is_dir())
+    shown = ", ".join(folders[:8]) + (f" and {len(folders) - 8} more" if len(folders) > 8 else "")
+    return f"{parent} is; it holds {shown}" if folders else f"{parent} is; it holds no folder"
 
 
 def resolve_model_path(model_name_or_path: str) -> str:
@@ -144,7 +172,9 @@ class ModelSource:
         return resolve_model_path(self.model_args.model_name_or_path)
 
     def ensure_files(self) -> str:
-        """The local path, a `tiny:` stand-in built there first if it is not yet."""
+        """The local path, a `tiny:` stand-in built there first if it is not yet; the config read, so that a model
+        neither here nor on the Hub is one refusal here, not a traceback from the tokenizer or the weights."""
+        self.config  # noqa: B018
         return self.path
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:

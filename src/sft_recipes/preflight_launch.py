@@ -12,7 +12,7 @@ Two checks, in this order:
 1. GPUs: a GPU recipe on a laptop would start one process per configured GPU, each failing with
    transformers' "Your setup doesn't support bf16/gpu". Reads the two YAML files and the GPU count.
 2. The recipe: parsed with the overrides the launch will pass (every key, type and range), the
-   mixture's entries and local data paths, the Hub push's id and token, and every lint rule that
+   mixture's entries, local data paths and a local model path, the Hub push's id and token, and every lint rule that
    needs no model config (world size, launcher settings as the accelerate config exports them). A few
    seconds: the recipe dataclasses import TRL, nothing loads a model or data. The rules that need
    the model's config.json run again at start, in every process.
@@ -56,6 +56,7 @@ def recipe_refusal(config_path: str, recipe_path: str, overrides: list[str], wor
     from sft_recipes.data.sources import refuse_missing_local_path
     from sft_recipes.errors import RecipeError
     from sft_recipes.lint import LintContext, lint_recipe
+    from sft_recipes.loading import refuse_a_missing_local_model
     from sft_recipes.reporting.hub import take_over_hub_push
 
     try:
@@ -68,6 +69,7 @@ def recipe_refusal(config_path: str, recipe_path: str, overrides: list[str], wor
                 for source in sources:
                     if source.path:
                         refuse_missing_local_path(source.path, key)
+            refuse_a_missing_local_model(recipe.model.model_name_or_path)
             take_over_hub_push(recipe.training)
             world = world_size or accelerate_config.num_processes
             lint_recipe(recipe, LintContext(world_size=world, has_accelerator=has_accelerator))
