@@ -369,7 +369,7 @@ def test_eval_blocks_pack_whole_examples_and_make_their_pixels_when_read(process
     """Held-out image rows: packed once like the training blocks; a block read twice is the same tensors, equal to
     its rows' examples joined; a conversation longer than a block is left out, never cut; select keeps blocks."""
     from sft_recipes.data.formats import Tokenization
-    from sft_recipes.data.mixture import build_source_data
+    from sft_recipes.data.mixture import build_source_data, describe_eval, refuse_eval_without_answers
     from sft_recipes.data import vision_eval
     from sft_recipes.data.vision_eval import VisionEvalBlocks
     from sft_recipes.config import load_recipe
@@ -383,7 +383,7 @@ def test_eval_blocks_pack_whole_examples_and_make_their_pixels_when_read(process
     monkeypatch.setattr(vision_eval, "PLAN_ROWS", 4)  # the plan made over several chunks of rows
     blocks = VisionEvalBlocks(rows, processing, 128)
     alone = processing.examples([row["messages"] for row in rows], [row["images"] for row in rows])
-    assert sorted(index for plan in blocks.plan for index in plan) == list(range(held_out)) and blocks.left_out == 0
+    assert sorted(index for plan in blocks.plan for index in plan) == list(range(held_out)) and blocks.left_out == {}
     assert len(blocks) < held_out  # packed, not one example per block
     for index, plan in enumerate(blocks.plan):
         block, again = blocks[index], blocks[index]
@@ -397,11 +397,22 @@ def test_eval_blocks_pack_whole_examples_and_make_their_pixels_when_read(process
         assert block["num_images"].tolist() == [len(alone[row].image_grid_thw) for row in plan]
     assert blocks.select([len(blocks) - 1]).plan == [blocks.plan[-1]]
     assert blocks.tokens == sum(len(alone[row].input_ids) for row in range(held_out))
-    assert blocks.describe().startswith(f"[data] eval: {held_out} conversations packed whole into {len(blocks)} blocks, ")
+    assert describe_eval(blocks, (blocks.tokens, blocks.supervised), blocks.left_out, 128) == (
+        f"[data] eval: {held_out} conversations packed whole into {len(blocks)} blocks, {blocks.tokens:,} tokens, "
+        f"{blocks.supervised:,} supervised")
     longest = max(len(example.input_ids) for example in alone)
     short = VisionEvalBlocks(rows, processing, longest - 1)  # the longest no longer fits a block: left out
-    assert short.left_out == sum(len(example.input_ids) == longest for example in alone) >= 1
-    assert "left out: unreadable, without an answer, or longer than a block" in short.describe()
+    too_long = sum(len(example.input_ids) == longest for example in alone)
+    assert short.left_out == {"longer_than_max_length": too_long} and too_long >= 1
+    assert f"blocks ({too_long} left out: {too_long} longer than a block of {longest - 1} tokens (images are never " \
+           "cut)), " in describe_eval(short, (short.tokens, short.supervised), short.left_out, longest - 1)
+    # A conversation the masker drops is counted under its reason, as a text run's eval line counts it.
+    unanswered = rows.map(lambda row: {"messages": [turn for turn in row["messages"] if turn["role"] != "assistant"]})
+    none_left = VisionEvalBlocks(unanswered, processing, 128)
+    assert (len(none_left), none_left.left_out) == (0, {"no_assistant_turn": held_out})
+    with pytest.raises(RecipeError, match=f"The eval set has nothing to score: none of its {held_out} conversations "
+                                          f"has an answer to score \\(no_assistant_turn {held_out}; max_length"):
+        refuse_eval_without_answers(none_left, none_left.supervised, none_left.left_out, 128)
 
 
 def test_image_eval_rows_in_a_text_run_are_refused_at_parse_time():

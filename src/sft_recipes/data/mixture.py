@@ -52,6 +52,7 @@ from sft_recipes.data.rows import NO_TRAINABLE_TOKENS, ROW_PROBLEM
 from sft_recipes.data.sources import (
     DatasetSource, count_stream_drop, load_checked_dataset, parse_sources, without_marked_rows,
 )
+from sft_recipes.data.vision_eval import LONGER_THAN_BLOCK, VisionEvalBlocks
 from sft_recipes.errors import RecipeError
 
 IMAGES_FIELD = "images"
@@ -403,8 +404,12 @@ def describe_eval(dataset: Dataset | None, counts: tuple[int, int] = (0, 0), lef
     if dataset is None:
         return "[data] eval: none (set test_split_size or eval_datasets)"
     tokens, supervised = counts
-    what = (f"{sum(map(len, dataset['seq_lengths'])):,} conversations packed whole into {len(dataset):,} blocks"
-            if "seq_lengths" in dataset.column_names else f"{len(dataset):,} rows")
+    if isinstance(dataset, VisionEvalBlocks):  # an image run's: the blocks' plan, their pixels made when read
+        what = f"{dataset.conversations:,} conversations packed whole into {len(dataset):,} blocks"
+    elif "seq_lengths" in dataset.column_names:
+        what = f"{sum(map(len, dataset['seq_lengths'])):,} conversations packed whole into {len(dataset):,} blocks"
+    else:
+        what = f"{len(dataset):,} rows"
     if left_out:
         what += f" ({sum(left_out.values()):,} left out: {_left_out_reasons(left_out, block_length)})"
     line = f"[data] eval: {what}, {tokens:,} tokens, {supervised:,} supervised"
@@ -415,8 +420,10 @@ def describe_eval(dataset: Dataset | None, counts: tuple[int, int] = (0, 0), lef
 
 
 def _left_out_reasons(left_out: dict[str, int], block_length: int | None) -> str:
-    return ", ".join(f"{count:,} without an answer in their first {block_length:,} tokens" if reason == ANSWER_PAST_BLOCK
-                     else f"{reason} {count:,}" for reason, count in sorted(left_out.items()))
+    said = {ANSWER_PAST_BLOCK: f"without an answer in their first {block_length:,} tokens",
+            LONGER_THAN_BLOCK: f"longer than a block of {block_length:,} tokens (images are never cut)"}
+    return ", ".join(f"{count:,} {said[reason]}" if reason in said else f"{reason} {count:,}"
+                     for reason, count in sorted(left_out.items()))
 
 
 def refuse_eval_without_answers(dataset: Dataset | None, supervised: int, left_out: dict[str, int],

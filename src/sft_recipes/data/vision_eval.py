@@ -3,7 +3,7 @@
 The eval conversations (image rows as `mixture.with_images_checked` leaves them, text-only rows with no
 images) are packed once at start the way the training stream packs them -- best-fit over whole examples,
 each keeping its own mRoPE positions; an example longer than a block is left out (cutting it would part
-image tokens from their pixels) and counted. What stays in memory is the plan: which rows make which
+image tokens from their pixels) and counted, as is one the masker or its images drop, by reason. What stays in memory is the plan: which rows make which
 block. Not the pixels: a block of 13 images of 588 tokens holds ~47M patch values (~190 MB in fp32), so
 each read of a block processes its rows' images again, the same deterministic way (and the plan is made
 `PLAN_ROWS` rows at a time: 500 such rows at once would be ~7 GB per rank). Blocks go through the
@@ -12,12 +12,15 @@ training collator (`VisionBlockCollator`) and the token-weighted eval loop (`eva
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
 
 from sft_recipes.data.blocks import IGNORE_INDEX, fill_blocks, join_examples
 from sft_recipes.data.vision import IMAGES_FIELD, VisionExample, VisionProcessing
+
+LONGER_THAN_BLOCK = "longer_than_max_length"  # an image conversation is never cut: its image tokens need their pixels
 
 
 PLAN_ROWS = 16  # rows whose pixels are held at once while the plan is made (~14 MB each at 588 image tokens)
@@ -28,21 +31,26 @@ class VisionEvalBlocks:
 
     def __init__(self, rows, processing: VisionProcessing, block_length: int, template_kwargs: dict | None = None):
         self.rows, self.processing, self.template_kwargs = rows, processing, dict(template_kwargs or {})
-        kept = [(index, labels) for index, labels in self._labels() if len(labels) <= block_length]
-        self.left_out = len(rows) - len(kept)  # a drop reason (an unreadable image, no answer), or overlong
+        kept, self.left_out = [], Counter()  # left out, by reason: the masker's or an image's, or LONGER_THAN_BLOCK
+        for index, example in self._each_example():
+            if isinstance(example, str):
+                self.left_out[example] += 1
+            elif len(example.labels) > block_length:
+                self.left_out[LONGER_THAN_BLOCK] += 1
+            else:
+                kept.append((index, example.labels))
+        self.left_out = dict(self.left_out)
         self.tokens = sum(len(labels) for _, labels in kept)
         self.supervised = sum(len(labels) - 1 - labels[1:].count(IGNORE_INDEX) for _, labels in kept)
         self.plan = [block["row_index"].tolist() for block in fill_blocks(
             ({"input_ids": labels, "labels": labels, "row_index": torch.tensor([index])} for index, labels in kept),
             block_length, split_examples=False)]  # the packer reads lengths only
 
-    def _labels(self):
-        """(row, labels) of each row that makes an example, PLAN_ROWS rows' pixels in memory at a time."""
+    def _each_example(self):
+        """(row, its example or drop reason), PLAN_ROWS rows' pixels in memory at a time."""
         for start in range(0, len(self.rows), PLAN_ROWS):
             indices = range(start, min(start + PLAN_ROWS, len(self.rows)))
-            for index, example in zip(indices, self._examples(indices)):
-                if isinstance(example, VisionExample):
-                    yield index, example.labels
+            yield from zip(indices, self._examples(indices))
 
     def _examples(self, indices) -> list[VisionExample | str]:
         rows = [self.rows[int(index)] for index in indices]
@@ -65,10 +73,7 @@ class VisionEvalBlocks:
         chosen.__dict__.update(self.__dict__, plan=[self.plan[index] for index in indices])
         return chosen
 
-    def describe(self) -> str:
-        """The `[data] eval:` line, as `mixture.describe_eval` writes it for text blocks."""
-        conversations = sum(map(len, self.plan))
-        left_out = f" ({self.left_out:,} left out: unreadable, without an answer, or longer than a block)" \
-            if self.left_out else ""
-        return (f"[data] eval: {conversations:,} conversations packed whole into {len(self):,} blocks{left_out}, "
-                f"{self.tokens:,} tokens, {self.supervised:,} supervised")
+    @property
+    def conversations(self) -> int:
+        """The conversations packed (`mixture.describe_eval` writes the eval line of these blocks too)."""
+        return sum(map(len, self.plan))

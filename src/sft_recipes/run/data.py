@@ -91,16 +91,17 @@ def build_data(run: Run, tokenizer) -> RunData:
     elif report.streamed:  # tokenized as TRL's dataloader reads it, in the training process
         stream_reads = StreamedRowDropsCallback([source.checked for source in report.sources],
                                                 data_args.max_dropped_share)
-    packed_images = isinstance(eval_data, VisionEvalBlocks)  # described by itself, its pixels made as it is read
-    eval_counts = token_counts(eval_data) if eval_data is not None and not packed_images else (0, 0)
+    eval_left_out = sources.eval_left_out
+    if isinstance(eval_data, VisionEvalBlocks):  # counted as it was planned: its pixels are made as it is read
+        eval_counts, eval_left_out = (eval_data.tokens, eval_data.supervised), eval_data.left_out
+    else:
+        eval_counts = token_counts(eval_data) if eval_data is not None else (0, 0)
     if run.is_main:
         print(report.format(), flush=True)
-        print(eval_data.describe() if packed_images else
-              describe_eval(eval_data, eval_counts, sources.eval_left_out, training.max_length, sources.eval_dropped),
+        print(describe_eval(eval_data, eval_counts, eval_left_out, training.max_length, sources.eval_dropped),
               flush=True)
     report.enforce(data_args.max_dropped_share)
-    if not packed_images:
-        refuse_eval_without_answers(eval_data, eval_counts[1], sources.eval_left_out, training.max_length)
+    refuse_eval_without_answers(eval_data, eval_counts[1], eval_left_out, training.max_length)
     passes = None
     if block_stream is not None and (not report.streamed or training.max_steps < 0):  # finite, or asked for passes
         passes = plan_passes(block_stream, training.per_device_train_batch_size, training.gradient_accumulation_steps,
