@@ -117,9 +117,12 @@ def test_arguments_as_a_json_string_or_an_object_train_the_same_tokens(family):
     _, tokenizer = family
     as_object = as_apply_chat_template_sees_it(AREA_CHAT)
     bare_tool = AREA["function"]  # {name, description, parameters}: wrapped into the OpenAI shape
+    parameters_as_a_string = {**bare_tool, "parameters": json.dumps(bare_tool["parameters"])}  # as some datasets store
     rows = mask_conversations(tokenizer, [stored_conversation(AREA_CHAT, [AREA]),
-                                          stored_conversation(as_object, json.dumps([bare_tool]))])
-    assert rows[0].input_ids == rows[1].input_ids and rows[0].assistant_masks == rows[1].assistant_masks
+                                          stored_conversation(as_object, json.dumps([bare_tool])),
+                                          stored_conversation(as_object, [parameters_as_a_string])])
+    for row in rows[1:]:
+        assert row.input_ids == rows[0].input_ids and row.assistant_masks == rows[0].assistant_masks
 
 
 def test_several_calls_in_one_message(family):
@@ -169,6 +172,9 @@ def test_tools_that_are_not_schemas_and_calls_without_tools_are_dropped():
     fmt = FORMATS["messages"]
     assert fmt.row_problem({"messages": AREA_CHAT, "tools": "not json"}) == INVALID_TOOLS
     assert fmt.row_problem({"messages": AREA_CHAT, "tools": [{"description": "no name"}]}) == INVALID_TOOLS
+    for parameters in ("{'base': 'number'}", "number", ["base", "height"]):  # not a JSON object, nor a string of one
+        tool = {**AREA, "function": {**AREA["function"], "parameters": parameters}}
+        assert fmt.row_problem({"messages": AREA_CHAT, "tools": [tool]}) == INVALID_TOOLS, parameters
     assert fmt.row_problem({"messages": AREA_CHAT}) == UNKNOWN_TOOL  # a call to a tool no row defines
     assert fmt.row_problem({"messages": AREA_CHAT[:2] + AREA_CHAT[4:], "tools": json.dumps([AREA])}) is None
 

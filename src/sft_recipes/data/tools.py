@@ -3,7 +3,8 @@
 A tool row is a `messages` row (TRL's conversational shape) with, optionally:
 
 - a `tools` column: a list of JSON schemas (OpenAI's `{type: function, function: {name, description,
-  parameters}}`, or the bare `{name, description, parameters}`), or a JSON string of one;
+  parameters}}`, or the bare `{name, description, parameters}`), or a JSON string of one; `parameters` a JSON
+  schema object or a JSON string of one;
 - assistant messages with `tool_calls`: `[{type: function, function: {name, arguments}, id?}]`, the
   arguments a JSON object or a JSON string of one (a list of calls may be a JSON string too);
 - `role: tool` messages with the results (`content`, and `tool_call_id` / `name` where given).
@@ -69,8 +70,24 @@ def parsed_tools(value: Any) -> list[dict[str, Any]] | None:
         function = tool.get("function", tool)
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise ToolDataError(INVALID_TOOLS, "a tool has no name (expected {type: function, function: {name, ...}})")
-        tools.append({"type": "function", "function": function})
+        tools.append({"type": "function", "function": _with_parameters_read(function)})
     return tools or None
+
+
+def _with_parameters_read(function: dict[str, Any]) -> dict[str, Any]:
+    """A tool's `parameters` as a JSON schema object: a JSON string of one is read (some datasets store them so), as
+    a call's arguments are, so that both train the same tokens; anything else is refused, not rendered as a string."""
+    parameters = function.get("parameters")
+    if isinstance(parameters, str):
+        try:
+            parameters = json.loads(parameters)
+        except json.JSONDecodeError as error:
+            raise ToolDataError(INVALID_TOOLS, f"tool {function['name']!r}: its parameters are not valid JSON "
+                                               f"({error})") from None
+    if parameters is not None and not isinstance(parameters, dict):
+        raise ToolDataError(INVALID_TOOLS, f"tool {function['name']!r}: its parameters are not a JSON schema object "
+                                           f"(got {type(parameters).__name__})")
+    return function if parameters is None else {**function, "parameters": parameters}
 
 
 def parsed_tool_calls(value: Any) -> list[dict[str, Any]]:
