@@ -329,6 +329,18 @@ def test_a_folder_of_data_files_with_a_stray_file_is_refused_naming_it(tmp_path)
         "data file itself.")
 
 
+def test_a_folder_without_the_split_asked_for_names_its_splits_not_a_bad_file(tmp_path):
+    folder = tmp_path / "chat"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text('{"instruction": "Say hi.", "output": "Hi."}\n' * 3)
+    asked = SimpleNamespace(**{**vars(data_args(folder)), "dataset_train_split": "validation"})
+    with pytest.raises(RecipeError) as error:  # was: "Cannot read the rows of ... Fix the file, or write ... .jsonl"
+        load_checked_dataset(asked)
+    assert str(error.value) == (
+        f"{folder}: Unknown split \"validation\". Should be one of ['train']: set dataset_train_split (a `datasets:` "
+        "entry's split) to one of them; a folder's file names give its splits (train.jsonl: train).")
+
+
 # ── Empty replies: one rule, the masking's, for rows and masks alike ───────────────────────────
 
 def test_an_empty_reply_is_kept_by_the_row_rules_and_trains_its_end_of_turn(tokenizer, tmp_path):

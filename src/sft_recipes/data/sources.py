@@ -84,11 +84,16 @@ def load_raw_dataset(data_args) -> Dataset | IterableDataset:
 @contextmanager
 def refusing_unreadable(path: Path) -> Iterator[None]:
     """RecipeError for a local file or folder that `datasets` cannot read (an empty or cut .csv/.json/.parquet, JSON
-    that is not rows): its builder's error, not a traceback. ArrowInvalid is a ValueError."""
+    that is not rows): its builder's error, not a traceback. ArrowInvalid is a ValueError. A folder without the
+    split the recipe asks for is said as such: the file is not at fault."""
     try:
         yield
     except (DatasetGenerationError, ValueError) as error:
         cause = error.__cause__ or error  # DatasetGenerationError only says 'An error occurred'; its cause says what
+        if str(cause).startswith("Unknown split"):  # a folder's files name its splits; the recipe asked for another
+            raise RecipeError(f"{path}: {str(cause).rstrip('.')}: set dataset_train_split (a `datasets:` entry's "
+                              "split) to one of them; a folder's file names give its splits (train.jsonl: train)."
+                              ) from None
         raise RecipeError(f"Cannot read the rows of {path} ({str(cause).rstrip('.')}). Fix the file, or write the rows "
                           "as .jsonl (one JSON object per line: a bad line is then a counted drop, not a failed file)."
                           ) from None
