@@ -76,6 +76,33 @@ def test_the_plan_says_whether_compile_and_fp8_are_on():
         assert ("the decoder layers' Linear layers in float8 (fp8: true, estimated as bf16)" in text) is value
 
 
+def test_reading_a_compiling_recipe_without_a_gpu_does_not_warn_that_there_is_no_gpu(tmp_path):
+    """transformers' "The speedups for torchdynamo mostly come with GPU Ampere or higher" came from every rank of a
+    CPU twin, and from every dry run planning for GPUs."""
+    import logging
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    logger, records = logging.getLogger("transformers.training_args"), Records()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(records)
+    try:
+        load_recipe(TINY_LLAMA_RECIPE, {"torch_compile": True, "output_dir": str(tmp_path)})
+        logger.warning("a warning of its own")
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    assert not any("torchdynamo" in message for message in records.messages)
+    assert "a warning of its own" in records.messages
+
+
 @pytest.mark.parametrize("key, value", [("torch_compile_mode", "max-autotune"), ("torch_compile_backend", "eager")])
 def test_a_compile_backend_or_mode_we_do_not_run_is_refused_at_lint_time(tmp_path, key, value):
     recipe = load_recipe(TINY_LLAMA_RECIPE, {key: value, "output_dir": str(tmp_path)})

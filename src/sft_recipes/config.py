@@ -15,9 +15,11 @@ problems are reported at once, and string values may use `${VAR}` / `${VAR:-defa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import enum
+import logging
 import os
 import re
 import types
@@ -491,6 +493,25 @@ def _where_an_override_is_set(key: str, overrides_source: str) -> str:
     return f" (set in the {overrides_source} overrides)"
 
 
+TRANSFORMERS_CPU_COMPILE_HINT = "The speedups for torchdynamo mostly come with GPU Ampere or higher"
+
+
+@contextlib.contextmanager
+def _without_transformers_cpu_compile_hint():
+    """TrainingArguments warns, from every rank and from a dry run planning for GPUs, that `torch_compile` speeds up
+    GPUs, not this machine: noise here (a CPU twin compiles to check the GPU path; the run's `[compile]` line says
+    what was compiled)."""
+    def not_the_hint(record: logging.LogRecord) -> bool:
+        return TRANSFORMERS_CPU_COMPILE_HINT not in record.getMessage()
+
+    logger = logging.getLogger("transformers.training_args")
+    logger.addFilter(not_the_hint)
+    try:
+        yield
+    finally:
+        logger.removeFilter(not_the_hint)
+
+
 def _where_to_fix_a_rejection(message: str, values: dict[str, Any], set_by: dict[str, str], path) -> str:
     """A dataclass's own refusal names a key or its value, not where it was set: name the overrides it mentions."""
     def mentioned(key: str) -> bool:
@@ -574,7 +595,8 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
     built = []
     for cls in RECIPE_DATACLASSES:
         try:
-            built.append(cls(**kwargs[cls]))
+            with _without_transformers_cpu_compile_hint():
+                built.append(cls(**kwargs[cls]))
         except (ValueError, TypeError) as err:
             raise RecipeError(f"{path}: {cls.__name__} rejected the recipe: {' '.join(str(err).split()).rstrip('.')}. "
                               f"{_where_to_fix_a_rejection(str(err), values, set_by, path)}.") from None
