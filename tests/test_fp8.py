@@ -61,6 +61,22 @@ def test_a_gpu_without_fp8_tensor_cores_is_refused_in_one_line(tmp_path, monkeyp
             f"(NVIDIA Test GPU) is sm_{capability[0]}{capability[1]}: set fp8: false") in str(error.value)
 
 
+def test_fp8_without_torchao_is_refused_with_the_install_command(tmp_path, monkeypatch):
+    """requirements.txt (what `make setup` installs) has no torchao: `--fp8 true` there is this one line."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao.float8` raises ImportError
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    recipe = load_recipe(TINY_LLAMA_RECIPE, {"fp8": True, "output_dir": str(tmp_path)})
+    with pytest.raises(RecipeError) as error:
+        lint_recipe(recipe, LintContext(world_size=1, has_accelerator=False))
+    assert ("fp8: true trains through torchao's float8 Linear layers, and torchao is not installed: install "
+            "torchao==0.18.0 where the run trains (`.venv/bin/pip install torchao==0.18.0` in this clone; on AI Runtime, "
+            "in the workload's dependencies), or set fp8: false") in str(error.value)
+    pinned = (REPO_ROOT / "requirements-test.txt").read_text().splitlines()
+    assert "torchao==0.18.0" in pinned  # the version the message names is the one the tests run
+
+
 def test_fp8_with_lora_is_refused(tmp_path):
     recipe = load_recipe(REPO_ROOT / "recipes" / "tiny" / "gptoss120b.yaml", {"fp8": True, "output_dir": str(tmp_path)})
     with pytest.raises(RecipeError, match="fp8: true converts the decoder's Linear layers to float8 training, and "

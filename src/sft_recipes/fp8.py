@@ -32,7 +32,9 @@ def fp8_problem(use_peft: bool) -> str | None:
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
-        return f"fp8: true trains through torchao's float8 Linear layers, and torchao is not installed: pip install {TORCHAO}"
+        return (f"fp8: true trains through torchao's float8 Linear layers, and torchao is not installed: install "
+                f"{TORCHAO} where the run trains (`.venv/bin/pip install {TORCHAO}` in this clone; on AI Runtime, in "
+                "the workload's dependencies), or set fp8: false")
     if use_peft:
         return ("fp8: true converts the decoder's Linear layers to float8 training, and LoRA freezes them (PEFT wraps "
                 "them as base layers; not verified here): set fp8: false, or use_peft: false for full fine-tuning")
