@@ -83,6 +83,20 @@ def test_a_replicate_times_shard_product_that_is_not_the_world_size_names_every_
             ) in str(err.value)
 
 
+@pytest.mark.parametrize(("launched", "world_size", "named"), [
+    ("bf16", 32, " -- as accelerate_configs/hsdp_4node.yaml (4 x 8) does"),
+    ("bf16", 4, " -- as accelerate_configs/hsdp_cpu_bf16.yaml (2 x 2) does"),
+    ("no", 4, " -- as accelerate_configs/hsdp_cpu.yaml (2 x 2) does"),
+    ("no", 32, ""),  # no fp32 config of 32 processes is shipped: a bf16 one would be refused for its precision
+])
+def test_a_world_size_a_shipped_hsdp_config_fits_names_that_config(tmp_path, monkeypatch, launched, world_size, named):
+    launched_with(monkeypatch, dp_replicate=2, dp_shard=8)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launched)
+    with pytest.raises(RecipeError) as err:
+        lint(recipe(tmp_path, bf16=launched == "bf16"), world_size=world_size)
+    assert f"replicas = nodes, shards = GPUs per node){named}, or launch on 16 processes" in str(err.value)
+
+
 def test_tensor_context_and_deepspeed_sequence_parallel_sizes_are_refused(tmp_path, monkeypatch):
     launched_with(monkeypatch, dp_replicate=2, dp_shard=2, tp=2, cp=2)
     with pytest.raises(RecipeError) as err:

@@ -24,12 +24,13 @@ recipes), replicate > 1 with shard 1 (plain DDP, which accelerate rejects for FS
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 from transformers import TrainerCallback
 
 from sft_recipes.errors import RecipeError
-from sft_recipes.launch import PARALLELISM_DIMENSIONS, launched_parallelism
+from sft_recipes.launch import PARALLELISM_DIMENSIONS, launched_parallelism, shipped_hsdp_configs
 
 logger = logging.getLogger("sft")
 
@@ -87,6 +88,9 @@ def parallelism_problems(world_size: int, sequence_parallel_size: int) -> list[s
         fix = (f"set parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size to {world_size} "
                f"(one of {', '.join(fits)}: replicas = nodes, shards = GPUs per node)" if fits
                else "drop parallelism_config")
+        shipped = shipped_hsdp_configs(world_size, os.environ.get("ACCELERATE_MIXED_PRECISION"))
+        if shipped:
+            fix += f" -- as {' and '.join(shipped)} does"
         problems.append(f"the accelerate config's parallelism_config makes {factors} = {sizes.total} processes, but "
                         f"the launch has {world_size} (num_processes); {fix}, or launch on {sizes.total} processes")
     if replicate > 1 and shard == 1:

@@ -278,6 +278,22 @@ def read_yaml(path: Path, origin: str):
                           "column named (one `key: value` per line).") from None
 
 
+def shipped_hsdp_configs(world_size: int, mixed_precision: str | None = None) -> list[str]:
+    """The shipped accelerate configs whose HSDP mesh (replicas x shards) is `world_size` processes (and, given, whose
+    mixed_precision is the launch's), e.g. for 32 in bf16: `accelerate_configs/hsdp_4node.yaml (4 x 8)`."""
+    fitting = []
+    for path in sorted(Path("accelerate_configs").glob("*.yaml")):
+        try:
+            config = AccelerateConfig(read_yaml(path, str(path)) or {}, path)
+            sizes = config.parallelism
+        except (RecipeError, ValueError, AttributeError):  # not a config of ours to suggest
+            continue
+        same_precision = mixed_precision is None or str(config.get("mixed_precision")).lower() == mixed_precision.lower()
+        if sizes and sizes.dp_replicate > 1 and sizes.total == world_size and same_precision:
+            fitting.append(f"{path.as_posix()} ({sizes.dp_replicate} x {sizes.dp_shard})")
+    return fitting
+
+
 def pass_an_accelerate_config() -> str:
     """The fix for a --config_file / CONFIG that is not an accelerate config: the shipped ones by name."""
     shipped = ", ".join(sorted(p.as_posix() for p in Path("accelerate_configs").glob("*.yaml")))
