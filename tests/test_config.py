@@ -169,6 +169,18 @@ def test_a_bare_flag_that_needs_a_value_says_so(tmp_path):
     with pytest.raises(RecipeError) as err:  # the same value written in the recipe file is no forgotten value
         load_recipe(write_recipe(tmp_path, max_steps=True))
     assert "'max_steps' must be an integer, got True (bool). Fix these in " in str(err.value)
+    with pytest.raises(RecipeError) as err:  # a value written on the command line is no forgotten value either
+        load_recipe(write_recipe(tmp_path), ["--max_steps", "true"])
+    assert "'max_steps' must be an integer, got True (bool) (set by --max_steps). Fix each where" in str(err.value)
+
+
+def test_resume_from_checkpoint_true_says_what_it_takes(tmp_path):
+    """transformers' Trainer.train(resume_from_checkpoint=True) resumes; the recipe key is a string: auto does that."""
+    with pytest.raises(RecipeError) as err:
+        load_recipe(write_recipe(tmp_path), ["--resume_from_checkpoint", "true"])
+    assert ("'resume_from_checkpoint' must be a string, got True (bool) (set by --resume_from_checkpoint): it takes "
+            "auto (the default: the newest complete checkpoint in output_dir, else a fresh start), the path of a "
+            "checkpoint-N folder, or null (no resume).") in str(err.value)
 
 
 def test_a_problem_names_the_override_that_set_it(tmp_path):

@@ -425,6 +425,20 @@ def parse_cli_overrides(argv: list[str]) -> dict[str, Any]:
     return overrides
 
 
+def _bare_flags(argv: list[str]) -> set[str]:
+    """The keys written as a bare `--flag` (read as true by parse_cli_overrides), not `--flag true`."""
+    return {token[2:].replace("-", "_") for index, token in enumerate(argv)
+            if token.startswith("--") and "=" not in token and token != "--"
+            and (index + 1 == len(argv) or argv[index + 1].startswith("--"))}
+
+
+# What a key whose type refused a value takes, where its type alone ("a string") does not say it.
+VALUES_TAKEN = {
+    "resume_from_checkpoint": "auto (the default: the newest complete checkpoint in output_dir, else a fresh start), "
+                              "the path of a checkpoint-N folder, or null (no resume)",
+}
+
+
 def _pass_a_recipe(folder: Path = Path("recipes")) -> str:
     """The fix for a recipe path that is no file: the YAML files in `folder` and its subfolders (else the shipped
     recipes) by name."""
@@ -541,6 +555,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
     values = read_recipe_file(path)
     parameters, parameters_origin = read_parameters_file()
     cli = parse_cli_overrides(overrides) if isinstance(overrides, list) else dict(overrides or {})
+    bare_flags = _bare_flags(overrides) if isinstance(overrides, list) else set()
     values, parameters, cli = without_overridden_batch_keys(values, parameters, cli)
     values.update(parameters)
     values.update(cli)
@@ -577,9 +592,10 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
             try:
                 kwargs[cls][key] = _coerce(value, hints[cls][key])
             except TypeError as err:
-                if value is True and origin == _where_an_override_is_set(key, "command_line"):
+                if value is True and key in bare_flags:
                     origin = f" (a bare --{key} reads as true: give it a value)"
-                problems.append((key, f"'{key}' must be {err}, got {value!r} ({type(value).__name__}){origin}"))
+                takes = f": it takes {VALUES_TAKEN[key]}" if key in VALUES_TAKEN else ""
+                problems.append((key, f"'{key}' must be {err}, got {value!r} ({type(value).__name__}){origin}{takes}"))
                 break
         else:
             problems += [(key, problem + origin) for problem in range_problems({key: kwargs[owners[key][0]][key]})]
