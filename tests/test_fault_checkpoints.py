@@ -64,6 +64,17 @@ def test_an_explicit_checkpoint_is_used_as_given_and_a_wrong_path_is_an_error(tm
     assert resolve_resume_checkpoint(args_for(tmp_path, resume=str(unfinished))) == str(unfinished)
     with pytest.raises(ValueError, match="is not a checkpoint directory. Use 'auto'"):
         resolve_resume_checkpoint(args_for(tmp_path, resume=str(tmp_path / "checkpoint-9")))
+    # A folder that is no checkpoint: was transformers' "Can't find a valid checkpoint" traceback after the model loaded.
+    make_checkpoint(tmp_path, 2)
+    with pytest.raises(ValueError) as error:  # the output_dir itself, not one of its checkpoints
+        resolve_resume_checkpoint(args_for(tmp_path, resume=str(tmp_path)))
+    assert str(error.value) == (
+        f"resume_from_checkpoint={str(tmp_path)!r} holds no checkpoint (no trainer_state.json); it holds checkpoint-2, "
+        f"checkpoint-6: pass one of them. Use 'auto' to take the newest checkpoint in output_dir, or a path like "
+        f"{tmp_path}/checkpoint-100.")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty' holds no checkpoint \(no trainer_state.json\)\. Use 'auto'"):
+        resolve_resume_checkpoint(args_for(tmp_path, resume=str(tmp_path / "empty")))
 
 
 def test_the_same_recipe_written_differently_or_resumed_with_other_run_settings_is_the_same(tmp_path):

@@ -127,6 +127,22 @@ def test_a_model_path_that_is_not_here_is_refused_before_the_launch(tmp_path, mo
         "meta-llama/Llama-3.1-8B": None, "outputs/demo": None}
 
 
+def test_a_resume_path_without_a_checkpoint_is_refused_before_the_launch(tmp_path):
+    from sft_recipes.preflight_launch import recipe_refusal
+
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    refusals = {name: recipe_refusal("accelerate_configs/fsdp2_cpu.yaml", str(TINY_LLAMA_RECIPE),
+                                     ["--resume_from_checkpoint", str(tmp_path / name), "--output_dir", str(tmp_path)],
+                                     None, has_accelerator=False)
+                for name in ("checkpoint-9", "", "checkpoint-3")}
+    assert refusals["checkpoint-9"].startswith(f"resume_from_checkpoint='{tmp_path / 'checkpoint-9'}' is not a "
+                                               "checkpoint directory. Use 'auto'")
+    assert refusals[""].startswith(f"resume_from_checkpoint='{tmp_path}' holds no checkpoint (no trainer_state.json); "
+                                   "it holds checkpoint-3: pass one of them.")
+    assert refusals["checkpoint-3"] is None
+
+
 def test_a_config_the_launch_script_cannot_read_is_one_line_before_torchrun():
     env = {"PATH": f"{Path(bin_path('python')).parent}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": ""}
     result = run_command(["bash", str(REPO_ROOT / "scripts" / "launch_multinode.sh"), "accelerate_configs/fsdp2_cpus.yaml",

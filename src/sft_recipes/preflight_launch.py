@@ -12,10 +12,10 @@ Two checks, in this order:
 1. GPUs: a GPU recipe on a laptop would start one process per configured GPU, each failing with
    transformers' "Your setup doesn't support bf16/gpu". Reads the two YAML files and the GPU count.
 2. The recipe: parsed with the overrides the launch will pass (every key, type and range), the
-   mixture's entries, local data paths and a local model path, the Hub push's id and token, and every lint rule that
-   needs no model config (world size, launcher settings as the accelerate config exports them). A few
-   seconds: the recipe dataclasses import TRL, nothing loads a model or data. The rules that need
-   the model's config.json run again at start, in every process.
+   mixture's entries, local data paths, a local model path and a resume_from_checkpoint path, the Hub push's
+   id and token, and every lint rule that needs no model config (world size, launcher settings as the
+   accelerate config exports them). A few seconds: the recipe dataclasses import TRL, nothing loads a
+   model or data. The rules that need the model's config.json run again at start, in every process.
 What the config launches (nodes, processes per node) is `sft_recipes.launch`'s.
 """
 
@@ -55,6 +55,7 @@ def recipe_refusal(config_path: str, recipe_path: str, overrides: list[str], wor
     from sft_recipes.data.mixture import eval_sources, training_sources
     from sft_recipes.data.sources import refuse_missing_local_path
     from sft_recipes.errors import RecipeError
+    from sft_recipes.fault.resume import refuse_a_resume_path_without_a_checkpoint
     from sft_recipes.lint import LintContext, lint_recipe
     from sft_recipes.loading import refuse_a_missing_local_model
     from sft_recipes.reporting.hub import take_over_hub_push
@@ -70,6 +71,8 @@ def recipe_refusal(config_path: str, recipe_path: str, overrides: list[str], wor
                     if source.path:
                         refuse_missing_local_path(source.path, key)
             refuse_a_missing_local_model(recipe.model.model_name_or_path)
+            refuse_a_resume_path_without_a_checkpoint(recipe.training.resume_from_checkpoint,
+                                                      recipe.training.output_dir)
             take_over_hub_push(recipe.training)
             world = world_size or accelerate_config.num_processes
             lint_recipe(recipe, LintContext(world_size=world, has_accelerator=has_accelerator))

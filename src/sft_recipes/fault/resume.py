@@ -20,6 +20,7 @@ from sft_recipes.errors import RecipeError
 from sft_recipes.fault.world_size import READERS_KEY, readers_refusal, refuse_another_training_layout, stream_readers
 
 logger = logging.getLogger(__name__)
+TRAINER_STATE_NAME = "trainer_state.json"  # transformers' own name: every checkpoint save writes it
 
 # What a finished run leaves in output_dir and a new run would overwrite: the export (a model or an adapter) and
 # the card and summary written after it.
@@ -154,7 +155,7 @@ def nothing_left_to_train(checkpoint: str | None, training_args) -> str | None:
     if checkpoint is None:
         return None
     try:
-        state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+        state = json.loads((Path(checkpoint) / TRAINER_STATE_NAME).read_text())
     except (OSError, ValueError):
         return None  # the Trainer reports a checkpoint it cannot read
     done = int(state.get("global_step", 0))
@@ -176,6 +177,24 @@ def nothing_left_to_train(checkpoint: str | None, training_args) -> str | None:
     return (f"{checkpoint} has already trained {done} step(s), reaching {target}: nothing to train, nothing written. "
             f"To train further pass a larger --max_steps (e.g. --max_steps {2 * done}); to start over in this output_dir "
             "pass --overwrite_output_dir true.")
+
+
+def refuse_a_resume_path_without_a_checkpoint(wanted: str | None, output_dir: str) -> None:
+    """A resume_from_checkpoint path that is no checkpoint folder (none there, or no trainer_state.json in it: an
+    output_dir, an empty folder) is one refusal, naming the checkpoints it holds; None and auto pass. Cheap: the
+    launch pre-check runs it too, before any process starts."""
+    if wanted in (None, "auto"):
+        return
+    folder = Path(wanted)
+    use = (f"Use 'auto' to take the newest checkpoint in output_dir, or a path like "
+           f"{output_dir}/checkpoint-100.")
+    if not folder.is_dir():
+        raise RecipeError(f"resume_from_checkpoint={wanted!r} is not a checkpoint directory. {use}")
+    if not (folder / TRAINER_STATE_NAME).is_file():  # what every save writes; transformers fails later without it
+        inside = [checkpoint.path.name for checkpoint in list_checkpoints(folder)]
+        held = f"; it holds {', '.join(inside)}: pass one of them" if inside else ""
+        raise RecipeError(f"resume_from_checkpoint={wanted!r} holds no checkpoint (no {TRAINER_STATE_NAME}){held}. "
+                          f"{use}")
 
 
 def _resume_checkpoint(training_args) -> str | None:
@@ -200,11 +219,7 @@ def _resume_checkpoint(training_args) -> str | None:
             logger.info("resume_from_checkpoint=auto: %s",
                         f"resuming from {newest.path}" if newest else "no complete checkpoint, starting fresh")
         return str(newest.path) if newest else None
-    if not Path(wanted).is_dir():
-        raise RecipeError(
-            f"resume_from_checkpoint={wanted!r} is not a checkpoint directory. Use 'auto' to take the newest "
-            f"checkpoint in output_dir, or a path like {training_args.output_dir}/checkpoint-100."
-        )
+    refuse_a_resume_path_without_a_checkpoint(wanted, training_args.output_dir)
     checkpoint = read_checkpoint(Path(wanted))
     if is_main and (checkpoint is None or not checkpoint.complete):
         logger.warning("resume_from_checkpoint=%s has no %s: resuming anyway, as asked", wanted, COMPLETION_MARKER)
