@@ -36,6 +36,31 @@ def make_checkpoint(output_dir, step, identity=None, completed_at=None, monkeypa
     return path
 
 
+def test_a_checkpoint_is_said_once_when_complete_and_accelerates_lines_are_quieted(tmp_path, caplog):
+    """accelerate 1.15 said each FSDP checkpoint in four INFO lines, before any was complete."""
+    import logging
+
+    from sft_recipes.fault.checkpoints import CheckpointCompletionCallback
+    from sft_recipes.reporting.console import ACCELERATE_FSDP_LOGGER, one_voice
+
+    recipe = tiny_recipe("--output_dir", str(tmp_path))
+    (tmp_path / "checkpoint-4").mkdir()
+    callback = CheckpointCompletionCallback(recipe_identity(recipe))
+    with caplog.at_level(logging.INFO, logger="sft_recipes.fault.checkpoints"):
+        callback.on_save(recipe.training, SimpleNamespace(is_world_process_zero=True, global_step=4), None)
+    assert (tmp_path / "checkpoint-4" / COMPLETION_MARKER).is_file()
+    assert [record.getMessage() for record in caplog.records] == [
+        f"{tmp_path / 'checkpoint-4'} complete: every rank wrote its part (FSDP 1 x 1 (flat) over 1 process)"]
+    accelerate_fsdp = logging.getLogger(ACCELERATE_FSDP_LOGGER)
+    level = accelerate_fsdp.level
+    try:
+        accelerate_fsdp.setLevel(logging.INFO)
+        one_voice(rank=0)
+        assert not accelerate_fsdp.isEnabledFor(logging.INFO) and accelerate_fsdp.isEnabledFor(logging.WARNING)
+    finally:
+        accelerate_fsdp.setLevel(level)
+
+
 def test_marker_holds_step_recipe_and_time_and_leaves_no_temporary_file(tmp_path, monkeypatch):
     identity = recipe_identity(tiny_recipe())
     path = make_checkpoint(tmp_path, 4, identity, 123.0, monkeypatch)

@@ -162,7 +162,10 @@ class CheckpointCompletionCallback(TrainerCallback):
         barrier(args.ddp_timeout)  # every rank has written its shards and RNG state
         if state.is_world_process_zero:
             checkpoint_dir = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            write_marker(checkpoint_dir, state.global_step, self.fingerprint, self.identity, training_layout(args))
+            layout = training_layout(args)
+            write_marker(checkpoint_dir, state.global_step, self.fingerprint, self.identity, layout)
+            # One line per checkpoint (accelerate's four "[RANK 0] Saving model/optimizer ..." lines are quieted)
+            logger.info("%s complete: every rank wrote its part (%s)", checkpoint_dir, layout["data_parallel_mesh"])
             for path in rotate_checkpoints(args.output_dir, self.keep, self.fingerprint):
                 logger.info("save_total_limit=%s: deleted %s", self.keep, path)
         barrier(args.ddp_timeout)  # no rank moves on (or exits for requeue) before the marker is on disk

@@ -1,6 +1,7 @@
 """What a run shows its user: one compact line per logging step, quiet ranks > 0, and `train.log`.
 
-- `one_voice`: ranks > 0 draw no progress bars (datasets' map -- our "Tokenizing ..." and
+- `one_voice`: accelerate's four INFO lines per FSDP checkpoint are left out (`[checkpoint]`'s one line says it);
+  ranks > 0 draw no progress bars (datasets' map -- our "Tokenizing ..." and
   TRL's truncation --, transformers' weight loading) and log transformers/datasets warnings only:
   with N ranks the console otherwise shows every bar N times. Their own INFO lines (`[data] rank r
   trained on ...`) and warnings stay, but for one that every rank meets alike: transformers' "`causal_conv1d_fn`
@@ -37,6 +38,7 @@ from sft_recipes.errors import forget_refusal_hooks, on_refusal
 from sft_recipes.reporting.replies import FLA_ON_CPU, KERNELS_LOGGER, drop_kernel_fallbacks, one_kernel_fallback_line
 
 TRAIN_LOG = "train.log"
+ACCELERATE_FSDP_LOGGER = "accelerate.utils.fsdp_utils"
 
 
 def process_rank() -> int:
@@ -45,6 +47,9 @@ def process_rank() -> int:
 
 
 def one_voice(rank: int | None = None) -> None:
+    # accelerate says every FSDP checkpoint in four INFO lines (model and optimizer, saving and saved); the
+    # checkpoint's completion marker says it in one (fault.checkpoints).
+    logging.getLogger(ACCELERATE_FSDP_LOGGER).setLevel(logging.WARNING)
     if (process_rank() if rank is None else rank) == 0:
         one_kernel_fallback_line()
         return
