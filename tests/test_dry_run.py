@@ -72,6 +72,20 @@ def test_dry_run_lints_with_the_accelerate_config_and_refuses_liger_kernels(tmp_
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [result.stderr.rstrip().splitlines()[-1]]
 
 
+def test_dry_run_refuses_a_hub_push_without_a_repo_id_and_leaves_the_token_to_the_training_machine(monkeypatch):
+    """The run refused it at start (and the launch pre-check before it); the plan said the recipe was fine."""
+    from sft_recipes.errors import RecipeError
+    from sft_recipes.planner.dry_run import plan_dry_run
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_TOKEN_PATH", raising=False)
+    recipe = str(REPO_ROOT / "recipes" / "tiny" / "llama8b.yaml")
+    with pytest.raises(RecipeError, match=r"^push_to_hub: true needs hub_model_id \(e\.g\. hub_model_id: "):
+        plan_dry_run(recipe, ["--push_to_hub", "true"])
+    # No token here is no problem of the recipe: the machine that trains holds HF_TOKEN.
+    assert "memory per GPU" in plan_dry_run(recipe, ["--push_to_hub", "true", "--hub_model_id", "my-org/tiny"])
+
+
 def test_dry_run_needs_a_world_size(tmp_path):
     # A recipe whose header names no accelerate config, planned without --config_file.
     recipe = tmp_path / "bare.yaml"

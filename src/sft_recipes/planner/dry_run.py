@@ -41,12 +41,14 @@ def _dry_run_text(recipe_path: str, overrides: list[str], accelerate_config: Acc
     from sft_recipes.config import load_recipe
     from sft_recipes.data.mixture import has_images
     from sft_recipes.lint import LintContext, lint_recipe
+    from sft_recipes.reporting.hub import refuse_a_push_without_an_id
 
     world_size = planned_world_size(accelerate_config, world_size)
     recipe = load_recipe(recipe_path, overrides, planning=True)
     model_args = recipe.model
     lint_recipe(recipe, LintContext(world_size, not recipe.values.get("use_cpu"), lambda: read_model_config(
         model_args.model_name_or_path, model_args.model_revision, download=False)))
+    refuse_a_push_without_an_id(recipe.training)
     nodes, replicate = launch_mesh(accelerate_config, world_size)
     gpu = gpu or header_gpu(recipe_path)
     try:

@@ -33,16 +33,21 @@ def take_over_hub_push(training_args) -> HubPush | None:
     """
     if not training_args.push_to_hub:
         return None
+    refuse_a_push_without_an_id(training_args)
     push = HubPush(training_args.hub_model_id,
                    True if training_args.hub_private_repo is None else bool(training_args.hub_private_repo))
     training_args.push_to_hub = False
-    if not push.repo_id:
-        raise RecipeError(MISSING_ID)
     try:
         hub_token()
     except ValueError as err:
         raise RecipeError(str(err)) from None
     return push
+
+
+def refuse_a_push_without_an_id(training_args) -> None:
+    """The recipe's half of a push (the dry run checks it too; the token is the training machine's, not the plan's)."""
+    if training_args.push_to_hub and not training_args.hub_model_id:
+        raise RecipeError(MISSING_ID)
 
 
 def hub_token() -> str:
