@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -132,6 +133,17 @@ def launch_sft(recipe: Path, *overrides: str, nproc: int = 2, env: dict[str, str
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     return result
+
+
+class LoggedMessages(logging.Handler):
+    """The messages a logger handled, for a logger that does not propagate to pytest's caplog (transformers')."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
 
 
 def read_summary(output_dir: Path) -> dict:

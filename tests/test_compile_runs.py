@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from conftest import REPO_ROOT, TINY_LLAMA_RECIPE, launch_sft, read_summary
+from conftest import REPO_ROOT, TINY_LLAMA_RECIPE, LoggedMessages, launch_sft, read_summary
 from sft_recipes.config import RecipeError, load_recipe
 from sft_recipes.launch import read_accelerate_config
 from sft_recipes.lint import LintContext, lint_recipe
@@ -81,15 +81,7 @@ def test_reading_a_compiling_recipe_without_a_gpu_does_not_warn_that_there_is_no
     CPU twin, and from every dry run planning for GPUs."""
     import logging
 
-    class Records(logging.Handler):
-        def __init__(self):
-            super().__init__()
-            self.messages = []
-
-        def emit(self, record):
-            self.messages.append(record.getMessage())
-
-    logger, records = logging.getLogger("transformers.training_args"), Records()
+    logger, records = logging.getLogger("transformers.training_args"), LoggedMessages()
     level = logger.level
     logger.setLevel(logging.INFO)
     logger.addHandler(records)

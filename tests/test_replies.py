@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 
+from conftest import LoggedMessages
 from sft_recipes.reporting.replies import KERNELS_LOGGER, ReplyStreamer, one_kernel_fallback_line, shown_reply
 
 
@@ -35,15 +36,6 @@ def test_the_streamed_reply_holds_back_only_a_start_that_may_be_an_empty_block(c
         assert printed[0] == "Paris "  # a plain reply streams from its first word
 
 
-class Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def _warn_kernel_fall_backs(logger):
     for kernel, package in (("causal_conv1d_fn", "causal_conv1d"), ("chunk_gated_delta_rule", "flash-linear-attention"),
                             ("causal_conv1d_update", "causal_conv1d")):  # transformers 5.23's words
@@ -54,7 +46,7 @@ def _warn_kernel_fall_backs(logger):
 
 def test_kernel_fall_backs_are_one_line_per_run(capsys):
     """Each run (two train() calls in one process, or a chat after a run) says its lines, through one filter."""
-    logger, records = logging.getLogger(KERNELS_LOGGER), Records()
+    logger, records = logging.getLogger(KERNELS_LOGGER), LoggedMessages()
     level, filters = logger.level, logger.filters[:]
     logger.setLevel(logging.WARNING)  # whatever verbosity an earlier test left transformers' loggers at
     logger.addHandler(records)
@@ -87,7 +79,7 @@ def test_other_ranks_drop_the_kernel_fall_backs_once_per_process(monkeypatch):
                              (transformers.utils.logging, "disable_progress_bar"),
                              (transformers.utils.logging, "set_verbosity_warning")):
         monkeypatch.setattr(module, quieting, lambda: None)  # the rest of this process's tests keep their bars
-    logger, records = logging.getLogger(KERNELS_LOGGER), Records()
+    logger, records = logging.getLogger(KERNELS_LOGGER), LoggedMessages()
     level, filters = logger.level, logger.filters[:]
     logger.setLevel(logging.WARNING)
     logger.addHandler(records)
