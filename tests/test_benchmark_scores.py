@@ -424,13 +424,16 @@ def test_a_model_that_is_neither_a_folder_nor_on_the_hub_is_one_refusal(tmp_path
                                        "HF_TOKEN for a gated model)")
 
 
-def test_a_mistyped_folder_in_a_folder_here_is_refused_without_asking_the_hub(tmp_path, monkeypatch):
+def test_a_mistyped_folder_in_a_folder_here_is_refused_at_once_where_the_hub_cannot_answer(tmp_path, monkeypatch):
     import transformers
 
     def hub(*args, **kwargs):
         raise AssertionError("asked the Hub (offline, huggingface_hub retries for ~30 s)")
 
+    import sft_recipes.loading as loading
+
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", hub)
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: "huggingface.co does not resolve: no network")
     evaluate = _evaluate_script()
     (tmp_path / "outputs" / "demo").mkdir(parents=True)
     (tmp_path / "outputs" / "mine").mkdir()
@@ -438,10 +441,14 @@ def test_a_mistyped_folder_in_a_folder_here_is_refused_without_asking_the_hub(tm
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RecipeError) as refused:
         evaluate.load_model("outputs/dmeo", None)
-    assert str(refused.value) == ("MODEL 'outputs/dmeo' is not a folder here (outputs is; it holds demo, mine): pass a "
-                                  "run's output_dir, a model folder, or a Hub id")
+    assert str(refused.value) == ("MODEL 'outputs/dmeo' is not a folder here (outputs is; it holds demo, mine), and the "
+                                  "Hugging Face Hub cannot be asked for it (huggingface.co does not resolve: no "
+                                  "network): pass a run's output_dir, a model folder, or a Hub id")
     with pytest.raises(AssertionError, match="asked the Hub"):  # an owner/name with no such folder here is a Hub id
         evaluate.load_model("meta-llama/Llama-3.1-8B", None)
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: None)
+    with pytest.raises(AssertionError, match="asked the Hub"):  # and so is one beside a folder, where the Hub answers
+        evaluate.load_model("outputs/dmeo", None)
 
 
 def test_ifeval_local_is_lm_evals_ifeval_on_the_real_prompts_read_offline():

@@ -622,14 +622,43 @@ def test_a_model_neither_here_nor_on_the_hub_is_one_line_before_the_tokenizer_or
         "to 'https://huggingface.co' to load the files, and couldn't find them in the cached files.): fix "
         "model_name_or_path (a model folder or a Hub id; model_revision for another revision, HF_TOKEN for a gated "
         "model).")
-    # A name under a folder that is here is a mistyped path: refused without asking the Hub, naming what is there.
+    # A name under a folder that is here, with no Hub to ask: a mistyped path, refused at once (not after ~30 s of
+    # retries), naming what is there.
     (tmp_path / "outputs" / "demo").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: "huggingface.co does not resolve: no network")
     for download in (True, False):
         with pytest.raises(RecipeError) as err:
             read_model_config("outputs/dmeo", download=download)
-        assert str(err.value) == "outputs/dmeo is not a folder here (outputs is; it holds demo): fix model_name_or_path."
+        assert str(err.value) == ("outputs/dmeo is not a folder here (outputs is; it holds demo), and the Hugging Face "
+                                  "Hub cannot be asked for it (huggingface.co does not resolve: no network): fix "
+                                  "model_name_or_path.")
     assert asked == ["meta-llama/Llama-3.1-8B"]
+    # Where the Hub can be asked, it is: `meta-llama/Llama-3.1-70B` beside a downloaded meta-llama/ folder is a Hub id.
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: None)
+    with pytest.raises(RecipeError, match="^outputs/dmeo is not a folder here and the Hugging Face Hub does not give"):
+        read_model_config("outputs/dmeo")
+    assert asked == ["meta-llama/Llama-3.1-8B", "outputs/dmeo"]
+
+
+def test_the_hub_is_unreachable_offline_or_without_a_name_lookup(monkeypatch):
+    import socket
+
+    from huggingface_hub import constants
+
+    import sft_recipes.loading as loading
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert loading.hub_unreachable() == "HF_HUB_OFFLINE is set"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def no_name_service(host, port):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_name_service)
+    assert loading.hub_unreachable() == "huggingface.co does not resolve: no network"
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, port: [("an address",)])
+    assert loading.hub_unreachable() is None
 
 
 def test_a_model_missing_from_the_cache_names_the_shipped_config_files(tmp_path, monkeypatch):

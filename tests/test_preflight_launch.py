@@ -115,14 +115,18 @@ def test_a_model_path_that_is_not_here_is_refused_before_the_launch(tmp_path, mo
     """Each rank refused it, and torchrun's report of failed ranks followed; a Hub id is left to the run."""
     from sft_recipes.preflight_launch import recipe_refusal
 
+    import sft_recipes.loading as loading
+
     (tmp_path / "outputs" / "demo").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: "HF_HUB_OFFLINE is set")
     config, recipe = str(REPO_ROOT / "accelerate_configs" / "fsdp2_cpu.yaml"), str(REPO_ROOT / TINY_LLAMA_RECIPE)
     data = ["--dataset_name", str(REPO_ROOT / "data" / "samples" / "alpaca.jsonl")]  # the recipe's, from here
     refusals = {name: recipe_refusal(config, recipe, ["--model_name_or_path", name, *data], None, has_accelerator=False)
                 for name in ("outputs/dmeo", "configs/llama.json", "meta-llama/Llama-3.1-8B", "outputs/demo")}
     assert refusals == {
-        "outputs/dmeo": "outputs/dmeo is not a folder here (outputs is; it holds demo): fix model_name_or_path.",
+        "outputs/dmeo": "outputs/dmeo is not a folder here (outputs is; it holds demo), and the Hugging Face Hub "
+                        "cannot be asked for it (HF_HUB_OFFLINE is set): fix model_name_or_path.",
         "configs/llama.json": "Model config configs/llama.json does not exist: fix model_name_or_path.",
         "meta-llama/Llama-3.1-8B": None, "outputs/demo": None}
 

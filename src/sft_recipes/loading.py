@@ -6,8 +6,10 @@ checkpoint such as qwen3_5 whole: the exported model has the architecture that c
 
 from __future__ import annotations
 
+import socket
 from functools import cached_property
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 import transformers
@@ -75,19 +77,37 @@ def refuse_a_missing_local_model(name: str) -> None:
     if path.suffix == ".json" or name.startswith((".", "/", "~")):
         raise RecipeError(f"Model config {path} does not exist: fix model_name_or_path.")
     beside = a_mistyped_local_folder(name)
-    if beside:
-        raise RecipeError(f"{name} is not a folder here ({beside}): fix model_name_or_path.")
+    unreachable = hub_unreachable() if beside else None
+    if unreachable:
+        raise RecipeError(f"{name} is not a folder here ({beside}), and the Hugging Face Hub cannot be asked for it "
+                          f"({unreachable}): fix model_name_or_path.")
 
 
 def a_mistyped_local_folder(name: str) -> str | None:
-    """What the folder above `name` holds, where that folder is here (`outputs/dmeo`): such a name means a path here,
-    mistyped, not a Hub id, which offline the Hub would be asked for through ~30 s of retries. None for any other."""
+    """What the folder above `name` holds, where that folder is here (`outputs/dmeo`): a mistyped path here, or a
+    Hub id whose owner is also a folder here (`meta-llama/...` beside a downloaded `meta-llama/`); refused as a path
+    only where the Hub cannot be asked (`hub_unreachable`), which would retry for ~30 s. None for any other name."""
     parent = Path(name).expanduser().parent
     if parent == Path(".") or not parent.is_dir():
         return None
     folders = sorted(entry.name for entry in parent.iterdir() if entry.is_dir())
     shown = ", ".join(folders[:8]) + (f" and {len(folders) - 8} more" if len(folders) > 8 else "")
     return f"{parent} is; it holds {shown}" if folders else f"{parent} is; it holds no folder"
+
+
+def hub_unreachable() -> str | None:
+    """Why asking the Hugging Face Hub could only fail (HF_HUB_OFFLINE, or its host does not resolve: no network), or
+    None. A name lookup, no request: fast either way, where huggingface_hub retries a request for ~30 s."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    host = urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return f"{host} does not resolve: no network"
+    return None
 
 
 def resolve_model_path(model_name_or_path: str) -> str:
