@@ -609,11 +609,12 @@ def test_a_model_neither_here_nor_on_the_hub_is_one_line_before_the_tokenizer_or
     asked = []
 
     def offline_hub(name, **kwargs):  # what AutoConfig raises offline, after huggingface_hub's ~30 s of retries
-        asked.append(name)
+        asked.append(f"{name} (cache only)" if kwargs.get("local_files_only") else name)
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in "
                       "the cached files.\nCheck your internet connection or see how to run the library in offline mode")
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline_hub)
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: None)  # as on a machine whose DNS answers
     source = loading.ModelSource(SimpleNamespace(model_name_or_path="meta-llama/Llama-3.1-8B", model_revision=None))
     with pytest.raises(RecipeError) as err:
         source.ensure_files()  # a run and --audit-data call it before loading the tokenizer or the weights
@@ -639,6 +640,14 @@ def test_a_model_neither_here_nor_on_the_hub_is_one_line_before_the_tokenizer_or
     with pytest.raises(RecipeError, match="^outputs/dmeo is not a folder here and the Hugging Face Hub does not give"):
         read_model_config("outputs/dmeo")
     assert asked == ["meta-llama/Llama-3.1-8B", "outputs/dmeo"]
+    # No Hub to ask: the cache only, at once (huggingface_hub would retry for ~30 s first).
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: "HF_HUB_OFFLINE is set")
+    with pytest.raises(RecipeError) as err:
+        read_model_config("meta-llama/Llama-3.1-70B")
+    assert str(err.value) == (
+        "meta-llama/Llama-3.1-70B is not a folder here nor in the Hugging Face cache, and the Hub cannot be asked for "
+        "it (HF_HUB_OFFLINE is set): fix model_name_or_path, or run where the Hub answers (HF_TOKEN for a gated model).")
+    assert asked[-1] == "meta-llama/Llama-3.1-70B (cache only)"
 
 
 def test_the_hub_is_unreachable_offline_or_without_a_name_lookup(monkeypatch):

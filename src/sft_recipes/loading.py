@@ -47,10 +47,15 @@ def read_model_config(model_name_or_path: str | Path, revision: str | None = Non
                 "directory."
             ) from None
     refuse_a_missing_local_model(name)
+    unreachable = hub_unreachable() if download else None  # then the cache only: asking would retry for ~30 s
     try:
-        return AutoConfig.from_pretrained(name, revision=revision, local_files_only=not download)
+        return AutoConfig.from_pretrained(name, revision=revision, local_files_only=not download or bool(unreachable))
     except OSError as error:
-        if download:  # no such repo or revision, no network, a gated model without a token: transformers' first line
+        if unreachable:
+            raise RecipeError(f"{name} is not a folder here nor in the Hugging Face cache, and the Hub cannot be asked "
+                              f"for it ({unreachable}): fix model_name_or_path, or run where the Hub answers (HF_TOKEN "
+                              "for a gated model).") from None
+        if download:  # no such repo or revision, a gated model without a token: transformers' first line
             raise RecipeError(
                 f"{name} is not a folder here and the Hugging Face Hub does not give it "
                 f"({str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}): fix "
