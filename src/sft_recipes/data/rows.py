@@ -22,7 +22,8 @@ Each dropped row is counted under the first reason that applies:
   whose supervised tokens all fall past the cut is dropped (`no_trainable_tokens`; chat rows:
   `truncated_away`, the masking's name for it).
 - tool conversations (`tools.py`): `invalid_tools` (the `tools` column is not a list of named schemas or a
-  JSON string of one, or a tool's `parameters` are not a JSON object or a JSON string of one), `invalid_tool_call` (a call without a function name), `invalid_tool_arguments`
+  JSON string of one, or a tool's `parameters` are not a JSON object or a JSON string of one),
+  `invalid_tool_call` (a call without a function name), `invalid_tool_arguments`
   (arguments that are not a JSON object or a JSON string of one), `unknown_tool` (a call to a tool the
   row's `tools` do not define), `orphan_tool_result` (a `role: tool` message that answers no call made
   before it). An assistant message with `tool_calls` may have no content. The masking adds
