@@ -7,7 +7,8 @@ image tokens from their pixels) and counted, as is one the masker or its images 
 stays in memory is the plan: which rows make which block. Not the pixels: a block of 13 images of 588
 tokens holds ~47M patch values (~190 MB in fp32), so each read of a block processes its rows' images
 again, the same deterministic way (and the plan is made `PLAN_ROWS` rows at a time: 500 such rows at
-once would be ~7 GB per rank). Blocks go through the training collator (`VisionBlockCollator`) and the token-weighted eval loop (`evaluation.py`) unchanged.
+once would be ~7 GB per rank). Blocks go through the training collator (`VisionBlockCollator`) and the
+token-weighted eval loop (`evaluation.py`) unchanged.
 """
 
 from __future__ import annotations
