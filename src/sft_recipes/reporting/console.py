@@ -1,7 +1,7 @@
 """What a run shows its user: one compact line per logging step, quiet ranks > 0, and `train.log`.
 
-- `one_voice`: accelerate's four INFO lines per FSDP checkpoint are left out (`[checkpoint]`'s one line says it);
-  ranks > 0 draw no progress bars (datasets' map -- our "Tokenizing ..." and
+- `one_voice`: accelerate's four INFO lines per FSDP checkpoint are left out (the completion marker's one line
+  says it, `fault.checkpoints`); ranks > 0 draw no progress bars (datasets' map -- our "Tokenizing ..." and
   TRL's truncation --, transformers' weight loading) and log transformers/datasets warnings only:
   with N ranks the console otherwise shows every bar N times. Their own INFO lines (`[data] rank r
   trained on ...`) and warnings stay, but for one that every rank meets alike: transformers' "`causal_conv1d_fn`
