@@ -110,14 +110,15 @@ def format_report(report: AuditReport) -> str:
             "",
         ]
     dropped = ", ".join(f"{reason}: {count}" for reason, count in sorted(report.dropped.items())) or "none"
+    turns = f"assistant turns supervised: {report.assistant_turns}"
+    if report.assistant_turns:  # none (e.g. every one cut away by max_length): a 'yes' would say max_length fits
+        stop = "yes" if report.every_turn_ends_with_stop_token else _cut_turns(report.turns_without_stop_token)
+        turns += f"; every one ends with its stop token: {stop}"
     lines += [
         f"conversations: {report.conversations}, kept {report.kept}, "
         f"dropped {sum(report.dropped.values())} ({dropped})",
         f"supervised tokens: {report.supervised_tokens}/{report.tokens} = {report.supervised_share:.1%} of kept tokens",
-        f"assistant turns supervised: {report.assistant_turns}"
-        # none supervised (e.g. every one cut away by max_length): a 'yes' would say max_length fits
-        + ("" if not report.assistant_turns else "; every one ends with its stop token: "
-           + ("yes" if report.every_turn_ends_with_stop_token else _cut_turns(report.turns_without_stop_token))),
+        turns,
     ]
     if report.untrained_turns:
         lines.append(
