@@ -20,7 +20,7 @@ from sft_recipes.planner.report import format_plan, plan_recipe
 TINY = REPO_ROOT / "recipes" / "tiny"
 LOGGING = ("--save_steps", "1000", "--logging_steps", "1", "--report_to", "none", "--sample_prompts", "[]")
 # name: (recipe, arguments, steps, what the run says it compiled). Llama: packed chat blocks whose examples' number
-# and lengths change every step, 20 steps; qwen3_5: its recipe's packed blocks, 6 steps (compiling it is the slow
+# and lengths change every step, 20 steps, and 4 steps of 256-token blocks under sequence parallelism; qwen3_5: its recipe's packed blocks, 6 steps (compiling it is the slow
 # part; the gated-delta layers' per-example torch loops run eagerly between graphs); gpt-oss: its recipe's unpacked
 # reasoning examples of changing lengths, one a step, LoRA on attention and on the experts (peft's ParamWrapper, run
 # eagerly), 5 steps.
@@ -32,6 +32,11 @@ TWINS = {
                 "6 layers (Qwen3_5DecoderLayer, Qwen3_5VisionBlock)"),
     "gptoss120b": (TINY / "gptoss120b.yaml", ("--gradient_accumulation_steps", "1", "--verify_export", "true"), 5,
                    "2 layers (GptOssDecoderLayer)"),
+    # Both processes in one sequence-parallel group: each compiled layer's attention exchanges its half of the block.
+    "llama8b-sp2": (
+        TINY_LLAMA_RECIPE, ("--dataset_name", "data/samples/ultrachat.jsonl", "--dataset_format", "messages",
+                            "--pack_blocks", "true", "--max_length", "256", "--sequence_parallel_size", "2"), 4,
+        "2 layers (LlamaDecoderLayer)"),
 }
 # Inductor fuses and reorders fp32 arithmetic: measured max |compiled - eager| loss at most 1.4e-6 (docs/compile.md)
 COMPILE_TOLERANCE = 1e-4
