@@ -156,8 +156,11 @@ def test_audit_of_a_non_chat_recipe_is_one_error_line_naming_the_fix():
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert line.startswith("error: --audit-data shows chat assistant masks") and "dataset_format: alpaca" in line
+    assert line.startswith("error: --audit-data shows chat assistant masks") and "dataset_format: alpaca (recipe)" in line
     assert "use it with a chat recipe" in line
+    result = run_command([sys.executable, "scripts/sft.py", str(TINY_LLAMA_RECIPE), "--audit-data", "2",
+                          "--dataset_name", "data/samples/ultrachat.jsonl", "--dataset_format", "text"])
+    assert "has dataset_format: text (command line); use it with a chat recipe" in result.stderr
 
 
 def test_audit_says_first_how_many_rows_were_read_and_dropped_before_the_conversations(tmp_path):

@@ -171,8 +171,8 @@ def batch_the_world_cannot_produce(recipe: Recipe, ctx: LintContext) -> str | No
         key = "global_batch_size" if t.global_batch_size else "global_batch_tokens"
         # The shipped recipes state their global batch so that SP, HSDP and node counts keep the experiment; a fixed
         # accumulation beside it would change the batch on another layout, silently, so it is refused.
-        return (f"{key}: {getattr(t, key)} ({_set_where(recipe, key)}) and gradient_accumulation_steps: "
-                f"{t.gradient_accumulation_steps} ({_set_where(recipe, 'gradient_accumulation_steps')}) are both set, "
+        return (f"{key}: {getattr(t, key)} ({where_set(recipe, key)}) and gradient_accumulation_steps: "
+                f"{t.gradient_accumulation_steps} ({where_set(recipe, 'gradient_accumulation_steps')}) are both set, "
                 "and a fixed accumulation would change the global batch on another layout; drop "
                 "gradient_accumulation_steps (it is derived from the global batch and the world size), or pass "
                 "--global_batch_size N to train another global batch")
@@ -185,7 +185,7 @@ def batch_the_world_cannot_produce(recipe: Recipe, ctx: LintContext) -> str | No
     return None
 
 
-def _set_where(recipe: Recipe, key: str) -> str:
+def where_set(recipe: Recipe, key: str) -> str:
     """Which source the key's value came from: the last override source that set it, else the recipe file."""
     sources = [source for source, values in recipe.overrides.items() if key in values]
     if not sources:
@@ -285,7 +285,7 @@ def torch_compile_settings_we_do_not_run(recipe: Recipe, ctx: LintContext) -> st
                 if recipe.values.get(key) not in (None, "inductor" if key == "torch_compile_backend" else None)]
     if not set_keys:
         return None
-    return (f"{' and '.join(set_keys)} set ({_set_where(recipe, set_keys[0])}): this project compiles each decoder layer "
+    return (f"{' and '.join(set_keys)} set ({where_set(recipe, set_keys[0])}): this project compiles each decoder layer "
             "with inductor's default mode (torch_compile: true, docs/compile.md) and cannot run another backend or "
             f"mode; remove {', '.join(set_keys)} and set torch_compile: true")
 
@@ -295,7 +295,7 @@ def liger_kernels_we_do_not_offer(recipe: Recipe, ctx: LintContext) -> str | Non
     # would raise ImportError after the data is built. Not offered: not in our requirements, its kernels unverified.
     if not recipe.values.get("use_liger_kernel"):
         return None
-    return (f"use_liger_kernel set ({_set_where(recipe, 'use_liger_kernel')}): this project does not offer Liger's "
+    return (f"use_liger_kernel set ({where_set(recipe, 'use_liger_kernel')}): this project does not offer Liger's "
             "Triton kernels (liger-kernel is not in its requirements and nothing here checks them, docs/kernels.md); "
             "remove use_liger_kernel -- the model's own layers run instead, and torch_compile: true fuses each "
             "decoder layer")

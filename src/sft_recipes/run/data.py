@@ -24,6 +24,7 @@ from sft_recipes.data.vision import VisionBlockCollator, VisionBlockStream, Visi
 from sft_recipes.data.vision_eval import VisionEvalBlocks
 from sft_recipes.distributed import prepared_once_per_cache
 from sft_recipes.errors import RecipeError
+from sft_recipes.lint import where_set
 from sft_recipes.reporting.samples import Prompt, sample_prompts_for_run
 from sft_recipes.reporting.vision_samples import prepared_prompts
 from sft_recipes.run.setup import Run
@@ -132,7 +133,8 @@ def audit_data(run: Run, tokenizer, n: int) -> str:
     if not run.data_format.chat:
         raise RecipeError(
             f"--audit-data shows chat assistant masks, and {run.recipe.source} has dataset_format: "
-            f"{run.data_format.name}; use it with a chat recipe (dataset_format one of {list(CHAT_FORMATS)})."
+            f"{run.data_format.name} ({where_set(run.recipe, 'dataset_format')}); use it with a chat recipe "
+            f"(dataset_format one of {list(CHAT_FORMATS)})."
         )
     if run.recipe.data.datasets:
         raise RecipeError("--audit-data reads one dataset: audit each chat source of the mixture with "
