@@ -35,7 +35,7 @@ from sft_recipes.environment import set_runtime_defaults
 
 set_runtime_defaults()
 
-from sft_recipes.command_line import OneLineParser, positive_int
+from sft_recipes.command_line import OneLineParser, non_negative_int, positive_int
 from sft_recipes.errors import RecipeError, one_line_refusals
 
 RESULTS_FILE = "benchmark_results.json"
@@ -49,8 +49,11 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("model", help="a run's output_dir, a model folder, or a Hub model id")
     parser.add_argument("--tasks", nargs="+", required=True, help="task names or task YAML files (or one "
                         "comma-separated argument)")
-    parser.add_argument("--limit", type=int, help="examples per task (the first N); default: all")
-    parser.add_argument("--num_fewshot", type=int, help="few-shot examples per prompt; default: each task's own")
+    parser.add_argument("--limit", type=positive_int("examples per task (the first N); leave it out for all"),
+                        help="examples per task (the first N); default: all")
+    parser.add_argument("--num_fewshot", type=non_negative_int("few-shot examples per prompt (0: none); leave it out "
+                                                               "for each task's own"),
+                        help="few-shot examples per prompt; default: each task's own")
     parser.add_argument("--max_gen_toks", type=positive_int("the most tokens a generated answer may have"),
                         help="longest generated answer; default: each task's own")
     parser.add_argument("--apply_chat_template", action="store_true", help="prompt through the chat template")

@@ -331,7 +331,12 @@ def test_evaluate_py_refuses_a_batch_or_answer_length_below_one_in_one_line(caps
     lines = {("--batch_size", "0"): "error: argument --batch_size: 0 is not a whole number >= 1: give the requests "
                                     "scored together (default 8)",
              ("--max_gen_toks", "-4"): "error: argument --max_gen_toks: -4 is not a whole number >= 1: give the most "
-                                       "tokens a generated answer may have"}
+                                       "tokens a generated answer may have",
+             # these two were refused as "--tasks entry 'alpaca_answers': limit must be ...", not naming the option
+             ("--limit", "0"): "error: argument --limit: 0 is not a whole number >= 1: give examples per task (the "
+                               "first N); leave it out for all",
+             ("--num_fewshot", "-1"): "error: argument --num_fewshot: -1 is not a whole number >= 0: give few-shot "
+                                      "examples per prompt (0: none); leave it out for each task's own"}
     for option, line in lines.items():  # refused by argparse, before any model is looked for
         with pytest.raises(SystemExit) as refused:
             evaluate.main(["no/such-model", "--tasks", "alpaca_answers", *option])

@@ -24,17 +24,25 @@ class OneLineParser(argparse.ArgumentParser):
 
 def positive_int(fix: str):
     """An argparse type: a whole number >= 1; `fix` says what to give, e.g. "the most tokens (default 256)"."""
+    return _whole_number_at_least(1, fix)
 
-    def whole_number_at_least_one(text: str) -> int:
+
+def non_negative_int(fix: str):
+    """An argparse type: a whole number >= 0; `fix` says what to give."""
+    return _whole_number_at_least(0, fix)
+
+
+def _whole_number_at_least(minimum: int, fix: str):
+    def whole_number(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            value = 0
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{text} is not a whole number >= 1: give {fix}")
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} is not a whole number >= {minimum}: give {fix}")
         return value
 
-    return whole_number_at_least_one
+    return whole_number
 
 
 def non_negative_float(fix: str):
