@@ -97,13 +97,11 @@ def hub_config(name: str, revision: str | None):
     """A Hub model's config; a name that is neither a folder here nor a model the Hub gives is one refusal."""
     from transformers import AutoConfig
 
-    from sft_recipes.loading import a_mistyped_local_folder, hub_unreachable
+    from sft_recipes.loading import a_mistyped_local_folder
 
-    beside = a_mistyped_local_folder(name)
-    unreachable = hub_unreachable() if beside else None
-    if unreachable:
-        raise RecipeError(f"MODEL {name!r} is not a folder here ({beside}), and the Hugging Face Hub cannot be asked for "
-                          f"it ({unreachable}): pass a run's output_dir, a model folder, or a Hub id")
+    mistyped = a_mistyped_local_folder(name)
+    if mistyped:
+        raise RecipeError(f"MODEL {name!r} {mistyped}: pass a run's output_dir, a model folder, or a Hub id")
     try:
         return AutoConfig.from_pretrained(name, revision=revision)
     except OSError as err:  # no such repo or revision, no network, a gated model without a token

@@ -81,23 +81,27 @@ def refuse_a_missing_local_model(name: str) -> None:
         return
     if path.suffix == ".json" or name.startswith((".", "/", "~")):
         raise RecipeError(f"Model config {path} does not exist: fix model_name_or_path.")
-    beside = a_mistyped_local_folder(name)
-    unreachable = hub_unreachable() if beside else None
-    if unreachable:
-        raise RecipeError(f"{name} is not a folder here ({beside}), and the Hugging Face Hub cannot be asked for it "
-                          f"({unreachable}): fix model_name_or_path.")
+    mistyped = a_mistyped_local_folder(name)
+    if mistyped:
+        raise RecipeError(f"{name} {mistyped}: fix model_name_or_path.")
 
 
 def a_mistyped_local_folder(name: str) -> str | None:
-    """What the folder above `name` holds, where that folder is here (`outputs/dmeo`): a mistyped path here, or a
-    Hub id whose owner is also a folder here (`meta-llama/...` beside a downloaded `meta-llama/`); refused as a path
-    only where the Hub cannot be asked (`hub_unreachable`), which would retry for ~30 s. None for any other name."""
+    """Why `name` can only be a mistyped path here, said after it ("is not a folder here (outputs is; it holds demo),
+    and the Hugging Face Hub cannot be asked for it (...)"), or None. Such a name sits under a folder that is here
+    (`outputs/dmeo`); it could also be a Hub id whose owner is a folder here (`meta-llama/...` beside a downloaded
+    `meta-llama/`), so it is a path only where the Hub cannot be asked (`hub_unreachable`), which would retry ~30 s."""
     parent = Path(name).expanduser().parent
     if parent == Path(".") or not parent.is_dir():
         return None
+    unreachable = hub_unreachable()
+    if not unreachable:
+        return None
     folders = sorted(entry.name for entry in parent.iterdir() if entry.is_dir())
     shown = ", ".join(folders[:8]) + (f" and {len(folders) - 8} more" if len(folders) > 8 else "")
-    return f"{parent} is; it holds {shown}" if folders else f"{parent} is; it holds no folder"
+    held = f"it holds {shown}" if folders else "it holds no folder"
+    return (f"is not a folder here ({parent} is; {held}), and the Hugging Face Hub cannot be asked for it "
+            f"({unreachable})")
 
 
 def hub_unreachable() -> str | None:
