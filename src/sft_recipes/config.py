@@ -24,6 +24,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -399,37 +400,37 @@ def _coerce(value: Any, annotation: Any) -> Any:
     return value  # types we do not model (callables, objects): let the dataclass validate
 
 
-def parse_cli_overrides(argv: list[str]) -> dict[str, Any]:
-    """`--key value`, `--key=value` and bare `--flag` (true) into a dict of YAML-typed values."""
-    overrides: dict[str, Any] = {}
+def _override_tokens(argv: list[str]) -> Iterator[tuple[str, str, bool]]:
+    """(key, raw value, written bare) for each `--key value`, `--key=value` or bare `--flag` (its value "true")."""
     i = 0
     while i < len(argv):
         token = argv[i]
         if not token.startswith("--") or token == "--":
             raise RecipeError(f"Unexpected argument {token!r}: overrides are written `--key value` or `--key=value`.")
         key, sep, raw = token[2:].partition("=")
-        key = key.replace("-", "_")
+        bare = not sep and (i + 1 == len(argv) or argv[i + 1].startswith("--"))
         if not sep:
-            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                raw = argv[i + 1]
-                i += 1
-            else:
-                raw = "true"
+            raw = "true" if bare else argv[i + 1]
+        yield key.replace("-", "_"), raw, bare
+        i += 1 if sep or bare else 2  # a value token was read with the key
+
+
+def parse_cli_overrides(argv: list[str]) -> dict[str, Any]:
+    """`--key value`, `--key=value` and bare `--flag` (true) into a dict of YAML-typed values."""
+    overrides: dict[str, Any] = {}
+    for key, raw, _ in _override_tokens(argv):
         try:
             overrides[key] = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as err:
             problem = getattr(err, "problem", None) or " ".join(str(err).split())
             raise RecipeError(f"--{key} {raw!r} is not a YAML value ({problem}): quote the value as one shell word and "
                               "close its brackets, e.g. --eval_max_regression '{gsm8k_local: 0.02}'.") from None
-        i += 1
     return overrides
 
 
 def _bare_flags(argv: list[str]) -> set[str]:
     """The keys written as a bare `--flag` (read as true by parse_cli_overrides), not `--flag true`."""
-    return {token[2:].replace("-", "_") for index, token in enumerate(argv)
-            if token.startswith("--") and "=" not in token and token != "--"
-            and (index + 1 == len(argv) or argv[index + 1].startswith("--"))}
+    return {key for key, _, bare in _override_tokens(argv) if bare}
 
 
 # What a key whose type refused a value takes, where its type alone ("a string") does not say it.
