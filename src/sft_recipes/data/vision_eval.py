@@ -32,15 +32,15 @@ class VisionEvalBlocks:
 
     def __init__(self, rows, processing: VisionProcessing, block_length: int, template_kwargs: dict | None = None):
         self.rows, self.processing, self.template_kwargs = rows, processing, dict(template_kwargs or {})
-        kept, self.left_out = [], Counter()  # left out, by reason: the masker's or an image's, or LONGER_THAN_BLOCK
+        kept, left_out = [], Counter()  # left out, by reason: the masker's or an image's, or LONGER_THAN_BLOCK
         for index, example in self._each_example():
             if isinstance(example, str):
-                self.left_out[example] += 1
+                left_out[example] += 1
             elif len(example.labels) > block_length:
-                self.left_out[LONGER_THAN_BLOCK] += 1
+                left_out[LONGER_THAN_BLOCK] += 1
             else:
                 kept.append((index, example.labels))
-        self.left_out = dict(self.left_out)
+        self.left_out = dict(left_out)
         self.tokens = sum(len(labels) for _, labels in kept)
         self.supervised = sum(len(labels) - 1 - labels[1:].count(IGNORE_INDEX) for _, labels in kept)
         self.plan = [block["row_index"].tolist() for block in fill_blocks(
