@@ -74,7 +74,7 @@ def load_model(name_or_path: str, revision: str | None):
     """(model, tokenizer): a run's export (an adapter merged onto its base), a model folder, or a Hub id."""
     from transformers import AutoTokenizer
 
-    from sft_recipes.loading import model_class_for
+    from sft_recipes.loading import cache_only, model_class_for
     from sft_recipes.reporting.load_export import export_kind, load_export
 
     if Path(name_or_path).is_dir():
@@ -86,9 +86,10 @@ def load_model(name_or_path: str, revision: str | None):
         if hasattr(model, "merge_and_unload"):  # a PEFT adapter: scored merged, as it would be served
             model = model.merge_and_unload()
     else:
+        offline = bool(cache_only(name_or_path))  # the Hub cannot be asked: the cache only, without ~30 s of retries
         config = hub_config(name_or_path, revision)
-        model = model_class_for(config).from_pretrained(name_or_path, revision=revision)
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision)
+        model = model_class_for(config).from_pretrained(name_or_path, revision=revision, local_files_only=offline)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, local_files_only=offline)
     model.config.use_cache = True
     return model.eval(), tokenizer
 
@@ -97,14 +98,21 @@ def hub_config(name: str, revision: str | None):
     """A Hub model's config; a name that is neither a folder here nor a model the Hub gives is one refusal."""
     from transformers import AutoConfig
 
-    from sft_recipes.loading import a_mistyped_local_folder
+    from sft_recipes.loading import a_mistyped_local_folder, cache_only
 
+    if name.startswith((".", "/", "~")):  # a path, never a Hub id
+        raise RecipeError(f"MODEL {name!r} is not a folder here: pass a run's output_dir, a model folder, or a Hub id")
     mistyped = a_mistyped_local_folder(name)
     if mistyped:
         raise RecipeError(f"MODEL {name!r} {mistyped}: pass a run's output_dir, a model folder, or a Hub id")
+    offline = cache_only(name)
     try:
-        return AutoConfig.from_pretrained(name, revision=revision)
+        return AutoConfig.from_pretrained(name, revision=revision, local_files_only=bool(offline))
     except OSError as err:  # no such repo or revision, no network, a gated model without a token
+        if offline:
+            raise RecipeError(f"MODEL {name!r} is not a folder here nor in the Hugging Face cache, and the Hub cannot "
+                              f"be asked for it ({offline}): pass a run's output_dir, a model folder, or a Hub id "
+                              "(run where the Hub answers; HF_TOKEN for a gated model)") from None
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise RecipeError(f"MODEL {name!r} is not a folder here and not a model the Hugging Face Hub gives ({reason}): "
                           "pass a run's output_dir, a model folder, or a Hub id (with --revision; HF_TOKEN for a gated "

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from sft_recipes.command_line import OneLineParser
 from sft_recipes.errors import RecipeError, one_line_refusals
-from sft_recipes.loading import DTYPES
+from sft_recipes.loading import DTYPES, cache_only
 from sft_recipes.merge import merge_checkpoint, verify_merge
 from sft_recipes.reporting.load_export import ADAPTER_CONFIG, output_dir_refusal
 
@@ -49,11 +49,20 @@ def resolve_base(adapter_dir: Path, base: str | None) -> Path:
     if Path(name).is_dir():
         return Path(name)
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     revision = None if base else adapter_config.get("revision")
-    # Top-level files only: openai/gpt-oss-* also ship original/ and metal/ copies of the weights.
-    return Path(snapshot_download(name, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.jinja"],
-                                  ignore_patterns=["*/*"]))
+    offline = cache_only(name)  # the Hub cannot be asked: the cache only, without ~30 s of retries
+    try:
+        # Top-level files only: openai/gpt-oss-* also ship original/ and metal/ copies of the weights.
+        return Path(snapshot_download(name, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.jinja"],
+                                      ignore_patterns=["*/*"], local_files_only=bool(offline)))
+    except LocalEntryNotFoundError:
+        if not offline:
+            raise
+        raise RecipeError(f"The base {name} is not a folder here nor in the Hugging Face cache, and the Hub cannot be "
+                          f"asked for it ({offline}): pass --base with the base checkpoint's folder, or run where the "
+                          "Hub answers.") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -222,7 +222,7 @@ AREAS = {
                     "merge", "mxfp4", "eval_loss", "vision_runs", "in_process", "launch", "bf16_runs", "compile_runs",
                     "fp8", "gpu_check"),
     "fault": ("fault_checkpoints", "fault_guards", "fault_preemption_exit", "fault_resume", "output_disk",
-              "world_size", "refusals", "preflight_launch"),
+              "world_size", "refusals", "preflight_launch", "hub_cache"),
     "reporting": ("console", "export_check", "metrics", "reporting", "samples_chat", "summary", "vision_samples",
                   "smollm2", "mlflow_status", "replies", "benchmark_scores"),
     "entry": ("config", "recipes", "readme_commands", "notebooks", "python_api", "parameters_file",

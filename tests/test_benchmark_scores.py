@@ -418,15 +418,29 @@ def test_evaluate_py_names_its_own_option_when_it_refuses_a_task(capsys):
         assert (code, capsys.readouterr().err.strip().splitlines()) == (2, [line])
 
 
-def test_a_model_that_is_neither_a_folder_nor_on_the_hub_is_one_refusal(tmp_path):
+def test_a_model_that_is_neither_a_folder_nor_on_the_hub_is_one_refusal(tmp_path, monkeypatch):
+    import transformers
+
+    import sft_recipes.loading as loading
+
     evaluate = _evaluate_script()
-    with pytest.raises(RecipeError) as refused:
+    with pytest.raises(RecipeError) as refused:  # a path: never asked of the Hub
         evaluate.load_model(str(tmp_path / "no-folder" / "not-a-run"), None)
-    assert str(refused.value).startswith(f"MODEL '{tmp_path / 'no-folder' / 'not-a-run'}' is not a folder here and not "
-                                         "a model the "
-                                         "Hugging Face Hub gives (")
-    assert str(refused.value).endswith("): pass a run's output_dir, a model folder, or a Hub id (with --revision; "
-                                       "HF_TOKEN for a gated model)")
+    assert str(refused.value) == (f"MODEL '{tmp_path / 'no-folder' / 'not-a-run'}' is not a folder here: pass a run's "
+                                  "output_dir, a model folder, or a Hub id")
+
+    def not_on_the_hub(name, **kwargs):  # transformers' words for a Hub id the Hub does not give
+        raise OSError(f"{name} is not a local folder and is not a valid model identifier listed on "
+                      "'https://huggingface.co/models'\nIf this is a private repository, make sure to pass a token")
+
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: None)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", not_on_the_hub)
+    with pytest.raises(RecipeError) as refused:
+        evaluate.load_model("acme/no-such-model", None)
+    assert str(refused.value) == (
+        "MODEL 'acme/no-such-model' is not a folder here and not a model the Hugging Face Hub gives (acme/no-such-model "
+        "is not a local folder and is not a valid model identifier listed on 'https://huggingface.co/models'): pass a "
+        "run's output_dir, a model folder, or a Hub id (with --revision; HF_TOKEN for a gated model)")
 
 
 def test_a_mistyped_folder_in_a_folder_here_is_refused_at_once_where_the_hub_cannot_answer(tmp_path, monkeypatch):

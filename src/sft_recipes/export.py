@@ -56,18 +56,11 @@ def export_consolidated(trainer, output_dir: str | Path, export_dtype: str = "au
     return output_dir
 
 
-# A VLM checkpoint's processor files besides the tokenizer's: what AutoImageProcessor / AutoProcessor read.
-PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
-
-
-def copy_processor_files(source_dir: str | Path, output_dir: str | Path) -> list[str]:
-    """Copy the source checkpoint's processor files into the export (training never changes them); their names."""
-    copied = []
-    for name in PROCESSOR_FILES:
-        if (Path(source_dir) / name).is_file():
-            shutil.copyfile(Path(source_dir) / name, Path(output_dir) / name)
-            copied.append(name)
-    return copied
+def copy_processor_files(processor_files: dict[str, Path], output_dir: str | Path) -> None:
+    """Copy the source checkpoint's processor files (`ModelSource.processor_files`) into the export: training never
+    changes them."""
+    for name, path in processor_files.items():
+        shutil.copyfile(path, Path(output_dir) / name)
 
 
 def probe_inputs(dataset, image_token_id: int | None = None) -> list[int] | dict[str, torch.Tensor]:

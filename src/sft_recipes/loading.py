@@ -19,6 +19,8 @@ from sft_recipes.errors import RecipeError
 TINY_SCHEME = "tiny:"  # "tiny:llama" -> a tiny random stand-in built offline (sft_recipes.tiny)
 # The real models' config.json files, copied into the clone: what an offline dry run plans (README, docs/planner.md).
 SHIPPED_MODEL_CONFIGS = Path("data/realworld/model_configs")
+# A VLM checkpoint's processor files besides the tokenizer's: what AutoImageProcessor / AutoProcessor read.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -47,7 +49,7 @@ def read_model_config(model_name_or_path: str | Path, revision: str | None = Non
                 "directory."
             ) from None
     refuse_a_missing_local_model(name)
-    unreachable = hub_unreachable() if download else None  # then the cache only: asking would retry for ~30 s
+    unreachable = cache_only(name) if download else None
     try:
         return AutoConfig.from_pretrained(name, revision=revision, local_files_only=not download or bool(unreachable))
     except OSError as error:
@@ -104,6 +106,16 @@ def a_mistyped_local_folder(name: str) -> str | None:
             f"({unreachable})")
 
 
+def cache_only(model_name_or_path: str) -> str | None:
+    """Why a Hub id's files are read from the Hugging Face cache only: the Hub cannot be asked (`hub_unreachable`).
+    None for a folder or file here, a `tiny:` stand-in, or a Hub that can be asked. Asking where it cannot answer,
+    huggingface_hub retries every file for ~30 s before it falls back to the cache: 2.7 minutes for a cached tiny
+    Llama's tokenizer and weights (docs/traps.md)."""
+    if model_name_or_path.startswith(TINY_SCHEME) or Path(model_name_or_path).expanduser().exists():
+        return None
+    return hub_unreachable()
+
+
 def hub_unreachable() -> str | None:
     """Why asking the Hugging Face Hub could only fail (HF_HUB_OFFLINE, or its host does not resolve: no network), or
     None. A name lookup, no request: fast either way, where huggingface_hub retries a request for ~30 s."""
@@ -138,9 +150,11 @@ def model_class_for(config) -> type[PreTrainedModel]:
     return cls
 
 
-def load_tokenizer(model_args, model_path: str | None = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(model_args, model_path: str | None = None, *,
+                   local_files_only: bool = False) -> PreTrainedTokenizerBase:
     path = model_path or resolve_model_path(model_args.model_name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision)
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision,
+                                              local_files_only=local_files_only)
     if tokenizer.pad_token is None:
         # Base checkpoints (Llama-3.1-8B) ship no pad token. Padding never reaches the loss: the
         # collator sets labels to -100 on every padded position, whatever token fills them.
@@ -167,13 +181,16 @@ def mxfp4_loading(config, dequantize_mxfp4: bool, path: str) -> transformers.Mxf
     return transformers.Mxfp4Config(dequantize=True)
 
 
-def load_model(model_args, model_path: str | None = None, config: PretrainedConfig | None = None) -> PreTrainedModel:
+def load_model(model_args, model_path: str | None = None, config: PretrainedConfig | None = None, *,
+               local_files_only: bool = False) -> PreTrainedModel:
     path = model_path or resolve_model_path(model_args.model_name_or_path)
-    config = config or AutoConfig.from_pretrained(path, revision=model_args.model_revision)
+    config = config or AutoConfig.from_pretrained(path, revision=model_args.model_revision,
+                                                  local_files_only=local_files_only)
     dtype = model_args.dtype if model_args.dtype in (None, "auto") else DTYPES[model_args.dtype]
     model = model_class_for(config).from_pretrained(
         path,
         revision=model_args.model_revision,
+        local_files_only=local_files_only,
         dtype=dtype,
         attn_implementation=model_args.attn_implementation,
         quantization_config=mxfp4_loading(config, model_args.dequantize_mxfp4, path),
@@ -200,6 +217,11 @@ class ModelSource:
     def path(self) -> str:
         return resolve_model_path(self.model_args.model_name_or_path)
 
+    @cached_property
+    def cache_only(self) -> str | None:
+        """Why the model's files are read from the Hugging Face cache only (see `cache_only`), or None."""
+        return cache_only(self.model_args.model_name_or_path)
+
     def ensure_files(self) -> str:
         """The local path, a `tiny:` stand-in built there first if it is not yet; the config read, so that a model
         neither here nor on the Hub is one refusal here, not a traceback from the tokenizer or the weights."""
@@ -207,7 +229,31 @@ class ModelSource:
         return self.path
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
-        return load_tokenizer(self.model_args, self.path)
+        return load_tokenizer(self.model_args, self.path, local_files_only=bool(self.cache_only))
 
     def load_model(self) -> PreTrainedModel:
-        return load_model(self.model_args, self.path, self.config)
+        return load_model(self.model_args, self.path, self.config, local_files_only=bool(self.cache_only))
+
+    def load_image_processor(self):
+        """A VLM's image processor (its preprocessor_config.json), PIL-backed: no torchvision needed."""
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(self.path, revision=self.model_args.model_revision, backend="pil",
+                                                  local_files_only=bool(self.cache_only))
+
+    def processor_files(self) -> dict[str, Path]:
+        """The checkpoint's processor files besides the tokenizer's (`PROCESSOR_FILES`) that it has, by name: from its
+        folder, or from the Hub (the cache only where the Hub cannot be asked) for a Hub id."""
+        if Path(self.path).is_dir():
+            return {name: Path(self.path) / name for name in PROCESSOR_FILES if (Path(self.path) / name).is_file()}
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError
+
+        found = {}
+        for name in PROCESSOR_FILES:
+            try:
+                found[name] = Path(hf_hub_download(self.path, name, revision=self.model_args.model_revision,
+                                                   local_files_only=bool(self.cache_only)))
+            except EntryNotFoundError:  # the checkpoint has no such file (or, cache only, it was never downloaded)
+                continue
+        return found

@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import datasets.config
 import pyarrow as pa
 from datasets import Dataset, IterableDataset, load_dataset
-from datasets.exceptions import DatasetGenerationError
+from datasets.exceptions import DatasetGenerationError, DatasetNotFoundError
 
+import sft_recipes.loading as loading  # the module: tests stand in for its hub_unreachable
 from sft_recipes.data.formats import FORMATS, DatasetFormat
 from sft_recipes.data.report import EXCERPT_CHARS, DataReport
 from sft_recipes.data.rows import INVALID_JSON, NOT_UTF8, ROW_PROBLEM
@@ -62,15 +64,16 @@ def load_raw_dataset(data_args) -> Dataset | IterableDataset:
                                    data_files=getattr(data_args, "dataset_data_files", None))
     else:
         refuse_missing_local_path(name)
-        dataset = load_dataset(
-            name,
-            data_args.dataset_config,
-            split=split,
-            revision=data_args.dataset_revision,
-            streaming=data_args.dataset_streaming,
-            data_dir=getattr(data_args, "dataset_data_dir", None),
-            data_files=getattr(data_args, "dataset_data_files", None),
-        )
+        with from_the_hub(name):
+            dataset = load_dataset(
+                name,
+                data_args.dataset_config,
+                split=split,
+                revision=data_args.dataset_revision,
+                streaming=data_args.dataset_streaming,
+                data_dir=getattr(data_args, "dataset_data_dir", None),
+                data_files=getattr(data_args, "dataset_data_files", None),
+            )
     if columns := getattr(data_args, "dataset_columns", None):
         dataset = dataset.select_columns(columns)
     if data_args.max_train_samples is not None:
@@ -97,6 +100,30 @@ def refusing_unreadable(path: Path) -> Iterator[None]:
         raise RecipeError(f"Cannot read the rows of {path} ({str(cause).rstrip('.')}). Fix the file, or write the rows "
                           "as .jsonl (one JSON object per line: a bad line is then a counted drop, not a failed file)."
                           ) from None
+
+
+@contextmanager
+def from_the_hub(name: str) -> Iterator[None]:
+    """Load the Hub dataset `name`. Where the Hub cannot be asked (`hub_unreachable`), from datasets' cache only (an
+    earlier load's), at once: asking would retry for ~23 s first. One that neither the Hub nor that cache gives is one
+    refusal: there is no such dataset, it is gated, or a machine without the Hub needs it as files."""
+    unreachable = loading.hub_unreachable()
+    asks_the_hub = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = asks_the_hub or bool(unreachable)  # load_dataset reads it at each call
+    try:
+        yield
+    except (DatasetNotFoundError, ConnectionError) as error:
+        if unreachable:
+            raise RecipeError(
+                f"Dataset {name} is neither a file or folder here nor in the datasets cache, and the Hugging Face Hub "
+                f"cannot be asked for it ({unreachable}): fix dataset_name, or download it where the Hub answers "
+                f"(`.venv/bin/hf download {name} --repo-type dataset --local-dir DIR`) and set dataset_name to DIR."
+            ) from None
+        raise RecipeError(f"Dataset {name} is not a file or folder here and the Hugging Face Hub does not give it "
+                          f"({str(error).strip().splitlines()[0]}): fix dataset_name (dataset_config, dataset_revision; "
+                          "HF_TOKEN for a gated dataset).") from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE = asks_the_hub
 
 
 def refuse_missing_local_path(name: str, key: str = "dataset_name") -> None:

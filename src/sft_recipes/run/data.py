@@ -120,11 +120,8 @@ def build_data(run: Run, tokenizer) -> RunData:
 
 def vision_processing(run: Run, tokenizer) -> VisionProcessing:
     """The model's tokenizer and image processor (its preprocessor_config.json), bounded by min/max_pixels."""
-    from transformers import AutoImageProcessor
-
-    image_processor = AutoImageProcessor.from_pretrained(run.source.path, backend="pil")
     data_args = run.recipe.data
-    return VisionProcessing(tokenizer, image_processor, run.source.config, min_pixels=data_args.min_pixels,
+    return VisionProcessing(tokenizer, run.source.load_image_processor(), run.source.config, min_pixels=data_args.min_pixels,
                             max_pixels=data_args.max_pixels)
 
 

@@ -117,6 +117,9 @@ def start_run(recipe: Recipe, read_only: bool = False) -> Run:
     if run.is_main:
         logger.info("recipe %s -> output_dir %s; %s; %s", recipe.source, training.output_dir, derivation,
                     launched_mesh(training.world_size).describe())
-        for source, values in recipe.overrides.items():  # which keys the workload's parameters / the caller set
-            logger.info("overrides from %s: %s", source, ", ".join(f"{key}={value!r}" for key, value in values.items()))
+        if source.cache_only:
+            logger.info("model %s: its files from the Hugging Face cache only (%s)", recipe.model.model_name_or_path,
+                        source.cache_only)
+        for origin, values in recipe.overrides.items():  # which keys the workload's parameters / the caller set
+            logger.info("overrides from %s: %s", origin, ", ".join(f"{key}={value!r}" for key, value in values.items()))
     return run
