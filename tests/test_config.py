@@ -110,6 +110,28 @@ def test_bare_flag_means_true_and_positional_junk_is_rejected():
         parse_cli_overrides(["stray"])
 
 
+def test_several_words_after_a_key_are_a_list_as_trl_reads_them():
+    assert parse_cli_overrides(["--lora_target_modules", "q_proj", "v_proj", "--max_steps", "3", "--use_peft"]) == {
+        "lora_target_modules": ["q_proj", "v_proj"], "max_steps": 3, "use_peft": True}
+    assert parse_cli_overrides(["--lora_target_modules=q_proj", "--eval_tasks", "[alpaca_answers]"]) == {
+        "lora_target_modules": "q_proj", "eval_tasks": ["alpaca_answers"]}
+
+
+def test_one_value_for_a_list_key_is_a_list_of_it(tmp_path):
+    # TRL's parser reads `--lora_target_modules all-linear` as [all-linear]; a recipe may write one value too.
+    path = write_recipe(tmp_path, eval_tasks="alpaca_answers")
+    recipe = load_recipe(path, ["--lora_target_modules", "all-linear"])
+    assert recipe.model.lora_target_modules == "all-linear"  # TRL's ModelConfig keeps one module as peft takes it
+    assert recipe.training.eval_tasks == ["alpaca_answers"]
+    assert load_recipe(path, ["--lora_target_modules", "q_proj", "v_proj"]).model.lora_target_modules == [
+        "q_proj", "v_proj"]
+    with pytest.raises(RecipeError) as refused:  # a value the list's items cannot be, and words for a scalar key
+        load_recipe(path, ["--eval_tasks", "3", "--max_steps", "3", "4"])
+    assert str(refused.value) == (
+        f"{path}: 'eval_tasks' must be a list, got 3 (int) (set by --eval_tasks); 'max_steps' must be an integer, got "
+        f"[3, 4] (list) (set by --max_steps). Fix each where it is set (in parentheses), else in {path}.")
+
+
 def test_environment_interpolation(tmp_path, monkeypatch):
     monkeypatch.setenv("UC_CATALOG", "prod")
     monkeypatch.delenv("UC_SCHEMA", raising=False)

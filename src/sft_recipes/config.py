@@ -400,32 +400,59 @@ def _coerce(value: Any, annotation: Any) -> Any:
     return value  # types we do not model (callables, objects): let the dataclass validate
 
 
-def _override_tokens(argv: list[str]) -> Iterator[tuple[str, str, bool]]:
-    """(key, raw value, written bare) for each `--key value`, `--key=value` or bare `--flag` (its value "true")."""
+def _coerce_to_field(value: Any, annotation: Any) -> Any:
+    """`_coerce`, where one value for a list-typed key is a list of it: TRL's parser reads `--lora_target_modules
+    all-linear` as [all-linear], and so do we (on the command line and in a recipe)."""
+    try:
+        return _coerce(value, annotation)
+    except TypeError as refused:
+        if value is None or isinstance(value, (list, dict)) or not _takes_a_list(annotation):
+            raise
+        try:
+            return _coerce([value], annotation)
+        except TypeError:
+            raise refused from None
+
+
+def _takes_a_list(annotation: Any) -> bool:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_takes_a_list(arg) for arg in typing.get_args(annotation))
+    return typing.get_origin(annotation) is list
+
+
+def _override_tokens(argv: list[str]) -> Iterator[tuple[str, list[str], bool]]:
+    """(key, raw values, written bare) for each `--key value [value ...]`, `--key=value` or bare `--flag` (its value
+    "true"). Several words after one key are its values, as TRL's parser reads `--lora_target_modules q_proj v_proj`."""
     i = 0
     while i < len(argv):
         token = argv[i]
         if not token.startswith("--") or token == "--":
             raise RecipeError(f"Unexpected argument {token!r}: overrides are written `--key value` or `--key=value`.")
         key, sep, raw = token[2:].partition("=")
-        bare = not sep and (i + 1 == len(argv) or argv[i + 1].startswith("--"))
-        if not sep:
-            raw = "true" if bare else argv[i + 1]
-        yield key.replace("-", "_"), raw, bare
-        i += 1 if sep or bare else 2  # a value token was read with the key
+        i += 1
+        raws = [raw] if sep else []
+        while not sep and i < len(argv) and not argv[i].startswith("--"):
+            raws.append(argv[i])
+            i += 1
+        yield key.replace("-", "_"), raws or ["true"], not raws
 
 
 def parse_cli_overrides(argv: list[str]) -> dict[str, Any]:
-    """`--key value`, `--key=value` and bare `--flag` (true) into a dict of YAML-typed values."""
+    """`--key value`, `--key=value` and bare `--flag` (true) into a dict of YAML-typed values; `--key a b` is [a, b]."""
     overrides: dict[str, Any] = {}
-    for key, raw, _ in _override_tokens(argv):
-        try:
-            overrides[key] = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError as err:
-            problem = getattr(err, "problem", None) or " ".join(str(err).split())
-            raise RecipeError(f"--{key} {raw!r} is not a YAML value ({problem}): quote the value as one shell word and "
-                              "close its brackets, e.g. --eval_max_regression '{gsm8k_local: 0.02}'.") from None
+    for key, raws, _ in _override_tokens(argv):
+        values = [_yaml_value(key, raw) for raw in raws]
+        overrides[key] = values[0] if len(values) == 1 else values
     return overrides
+
+
+def _yaml_value(key: str, raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or " ".join(str(err).split())
+        raise RecipeError(f"--{key} {raw!r} is not a YAML value ({problem}): quote the value as one shell word and "
+                          "close its brackets, e.g. --eval_max_regression '{gsm8k_local: 0.02}'.") from None
 
 
 def _bare_flags(argv: list[str]) -> set[str]:
@@ -591,7 +618,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | dict[str, Any] |
             continue
         for cls in owners[key]:
             try:
-                kwargs[cls][key] = _coerce(value, hints[cls][key])
+                kwargs[cls][key] = _coerce_to_field(value, hints[cls][key])
             except TypeError as err:
                 if value is True and key in bare_flags:
                     origin = f" (a bare --{key} reads as true: give it a value)"
