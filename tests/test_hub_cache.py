@@ -172,3 +172,25 @@ def test_a_hub_dataset_the_hub_does_not_give_is_one_refusal(monkeypatch):
         "Dataset acme/no-such-chats is not a file or folder here and the Hugging Face Hub does not give it (Dataset "
         "'acme/no-such-chats' doesn't exist on the Hub or cannot be accessed.): fix dataset_name (dataset_config, "
         "dataset_revision; HF_TOKEN for a gated dataset).")
+
+
+def test_an_adapter_on_a_cached_hub_base_loads_without_a_request(offline_cache, tmp_path):
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sft_recipes.reporting.load_export import load_export
+
+    cache, asked = offline_cache
+    local = ensure_tiny("llama")
+    cache_a_hub_model(cache, "acme/tiny-llama", local)
+    export = tmp_path / "export"  # what a LoRA run of `model_name_or_path: acme/tiny-llama` exports
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(local), LoraConfig(r=2, target_modules=["q_proj"]))
+    adapter.save_pretrained(export)
+    AutoTokenizer.from_pretrained(local).save_pretrained(export)
+    config = json.loads((export / "adapter_config.json").read_text())
+    (export / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "acme/tiny-llama"}))
+    model, tokenizer = load_export(export)  # the samples after training, the tuned score, chat, show_run
+    assert type(model.base_model.model).__name__ == "LlamaForCausalLM" and tokenizer("Hi")["input_ids"]
+    assert asked == []

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
 
-from sft_recipes.loading import model_class_for
+from sft_recipes.loading import cache_only, model_class_for
 
 ADAPTER_CONFIG = "adapter_config.json"
 TRAINER_CHECKPOINT = re.compile(r"checkpoint-\d+")  # the Trainer's checkpoint folders inside an output_dir
@@ -70,7 +70,9 @@ def load_export(output_dir: str | Path, base_model: str | None = None):
     tokenizer = AutoTokenizer.from_pretrained(output_dir)
     if kind == "adapter":
         base = base_model or json.loads((output_dir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
-        model = load_adapter(model_class_for(AutoConfig.from_pretrained(base)).from_pretrained(base), output_dir)
+        offline = bool(cache_only(base))  # a Hub id where the Hub cannot be asked: the cache, without ~30 s of retries
+        config = AutoConfig.from_pretrained(base, local_files_only=offline)
+        model = load_adapter(model_class_for(config).from_pretrained(base, local_files_only=offline), output_dir)
     else:
         model = model_class_for(AutoConfig.from_pretrained(output_dir)).from_pretrained(output_dir)
     return model.eval(), tokenizer

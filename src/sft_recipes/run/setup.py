@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -111,6 +112,11 @@ def start_run(recipe: Recipe, read_only: bool = False) -> Run:
         keep_train_log()  # this run trains: its console from the start into train.log
     with training.main_process_first(local=False, desc="model files"):
         source.ensure_files()  # a tiny stand-in is built once, by the main process
+    if source.cache_only:  # peft asks the Hub for the base's config.json at each adapter save, unless this is set
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        # ... and then warns, each save on each rank, that it assumes the vocabulary unchanged: a run never resizes it.
+        warnings.filterwarnings("ignore", "Could not find a config file in .* will assume that the vocabulary was not "
+                                "modified", UserWarning)
     run = Run(recipe=recipe, source=source, batch_derivation=derivation, resume_from=resume_from, hub_push=hub_push,
               sequence_parallel=start_sequence_parallel(recipe),  # the process group exists by now
               compiles_layers=compiles_layers)
