@@ -87,8 +87,12 @@ def test_sample_prompts_parse_from_yaml_and_the_command_line():
     assert load_recipe("recipes/tiny/llama8b.yaml", ["--sample_prompts", "[Hi, {text: Colour, images: [a.png]}]"]
                        ).training.sample_prompts == ["Hi", entry]
     assert load_recipe("recipes/tiny/llama8b.yaml", ["--sample_prompts", "[]"]).training.sample_prompts == []
-    with pytest.raises(RecipeError, match="'sample_prompts' must be a list, got 'Hi'"):
-        load_recipe("recipes/tiny/llama8b.yaml", ["--sample_prompts", "Hi"])
+    # One prompt, or several words, as TRL's parser reads a list option
+    assert load_recipe("recipes/tiny/llama8b.yaml", ["--sample_prompts", "Hi"]).training.sample_prompts == ["Hi"]
+    assert load_recipe("recipes/tiny/llama8b.yaml", ["--sample_prompts", "Hi there", "What is 2+2?"]
+                       ).training.sample_prompts == ["Hi there", "What is 2+2?"]
+    with pytest.raises(RecipeError, match="'sample_prompts' must be a list, got 3 "):
+        load_recipe("recipes/tiny/llama8b.yaml", ["--sample_prompts", "3"])
     with pytest.raises(RecipeError, match="sample_prompts"):
         load_recipe("recipes/tiny/llama8b.yaml", ["--sample_prompts", "[3]"])
     for recipe in ("recipes/tiny/qwen27b-vision.yaml", "recipes/qwen27b-vision.yaml"):  # the data's defaults
