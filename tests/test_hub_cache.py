@@ -149,7 +149,7 @@ def test_a_hub_dataset_with_no_hub_to_ask_is_one_refusal_at_once(offline_cache, 
     with pytest.raises(RecipeError) as refused:
         load_raw_dataset(hub_dataset_args("acme/some-chats"))
     assert str(refused.value) == (
-        f"Dataset acme/some-chats is neither a file or folder here nor in the datasets cache, and the Hugging Face Hub "
+        f"Dataset acme/some-chats is not a file or folder here nor in the datasets cache, and the Hugging Face Hub "
         f"cannot be asked for it ({NO_NETWORK}): fix dataset_name, or download it where the Hub answers "
         "(`.venv/bin/hf download acme/some-chats --repo-type dataset --local-dir DIR`) and set dataset_name to DIR.")
     assert asked == []

@@ -115,7 +115,7 @@ def from_the_hub(name: str) -> Iterator[None]:
     except (DatasetNotFoundError, ConnectionError) as error:
         if unreachable:
             raise RecipeError(
-                f"Dataset {name} is neither a file or folder here nor in the datasets cache, and the Hugging Face Hub "
+                f"Dataset {name} is not a file or folder here nor in the datasets cache, and the Hugging Face Hub "
                 f"cannot be asked for it ({unreachable}): fix dataset_name, or download it where the Hub answers "
                 f"(`.venv/bin/hf download {name} --repo-type dataset --local-dir DIR`) and set dataset_name to DIR."
             ) from None
