@@ -151,9 +151,16 @@ def test_a_hub_dataset_with_no_hub_to_ask_is_one_refusal_at_once(offline_cache, 
     assert str(refused.value) == (
         f"Dataset acme/some-chats is not a file or folder here nor in the datasets cache, and the Hugging Face Hub "
         f"cannot be asked for it ({NO_NETWORK}): fix dataset_name, or download it where the Hub answers "
-        "(`.venv/bin/hf download acme/some-chats --repo-type dataset --local-dir DIR`) and set dataset_name to DIR.")
+        "(`.venv/bin/hf download acme/some-chats --repo-type dataset --local-dir DIR`) and give DIR there.")
     assert asked == []
     assert datasets.config.HF_HUB_OFFLINE is asks_the_hub  # after the call, datasets asks the Hub as it did before
+    (tmp_path / "data" / "samples").mkdir(parents=True)  # a folder's name mistyped: said as such
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError) as refused:
+        load_raw_dataset(hub_dataset_args("data/samplez"))
+    assert str(refused.value) == (
+        f"Dataset data/samplez is not a folder here (data is; it holds samples), and the Hugging Face Hub cannot be "
+        f"asked for it ({NO_NETWORK}): fix dataset_name.")
 
 
 def test_a_hub_dataset_the_hub_does_not_give_is_one_refusal(monkeypatch):
@@ -170,8 +177,8 @@ def test_a_hub_dataset_the_hub_does_not_give_is_one_refusal(monkeypatch):
         sources.load_raw_dataset(hub_dataset_args("acme/no-such-chats"))
     assert str(refused.value) == (
         "Dataset acme/no-such-chats is not a file or folder here and the Hugging Face Hub does not give it (Dataset "
-        "'acme/no-such-chats' doesn't exist on the Hub or cannot be accessed.): fix dataset_name (dataset_config, "
-        "dataset_revision; HF_TOKEN for a gated dataset).")
+        "'acme/no-such-chats' doesn't exist on the Hub or cannot be accessed.): fix dataset_name (its config and "
+        "revision; HF_TOKEN for a gated dataset).")
 
 
 def test_an_adapter_on_a_cached_hub_base_loads_without_a_request(offline_cache, tmp_path):
@@ -194,3 +201,25 @@ def test_an_adapter_on_a_cached_hub_base_loads_without_a_request(offline_cache, 
     model, tokenizer = load_export(export)  # the samples after training, the tuned score, chat, show_run
     assert type(model.base_model.model).__name__ == "LlamaForCausalLM" and tokenizer("Hi")["input_ids"]
     assert asked == []
+
+
+def test_a_mixture_entry_the_hub_cannot_give_is_named_by_its_key(offline_cache, monkeypatch, tmp_path):
+    from sft_recipes.config import load_recipe
+    from sft_recipes.data.formats import Tokenization
+    from sft_recipes.data.mixture import build_source_data
+
+    from transformers import AutoTokenizer
+
+    monkeypatch.chdir(REPO_ROOT)
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny("llama"))
+    for key in ("datasets", "eval_datasets"):
+        entries = {"datasets": [{"path": "data/samples/ultrachat.jsonl", "dataset_format": "messages"}],
+                   key: [{"path": "data/samples/ultrachat.jsonl", "dataset_format": "messages"},
+                         {"path": "data/samplez", "dataset_format": "messages"}]}
+        recipe = load_recipe(REPO_ROOT / "recipes" / "tiny" / "llama8b.yaml", {"dataset_name": None, **entries,
+                                                                               "output_dir": str(tmp_path)})
+        with pytest.raises(RecipeError) as refused:
+            build_source_data(recipe.data, Tokenization(max_length=256), tokenizer, seed=0)
+        assert str(refused.value) == (
+            "Dataset data/samplez is not a folder here (data is; it holds realworld, samples), and the Hugging Face "
+            f"Hub cannot be asked for it ({NO_NETWORK}): fix {key}.")

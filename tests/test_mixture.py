@@ -136,8 +136,8 @@ def test_held_out_rows_depend_on_the_row_only_and_their_share_is_close_to_the_si
 
 def test_streamed_source_holds_out_exactly_the_rows_a_map_style_run_holds_out(tmp_path):
     args = training_sources(load_recipe(write_recipe(tmp_path, dataset_name=ULTRACHAT)).data)[0]
-    map_rows, _ = load_checked_dataset(args.as_data_args(streaming=False))
-    stream, _ = load_checked_dataset(args.as_data_args(streaming=True))
+    map_rows, _ = load_checked_dataset(args.as_data_args("datasets", streaming=False))
+    stream, _ = load_checked_dataset(args.as_data_args("datasets", streaming=True))
     map_train, map_eval = split_held_out(map_rows, 0.2)
     stream_train, stream_eval = split_held_out(stream, 0.2)
     assert isinstance(stream_train, IterableDataset)
@@ -191,7 +191,7 @@ def test_example_mixture_shuffles_sources_together_and_never_trains_on_eval_rows
 
 def test_alpaca_source_tokens_and_labels_equal_trls_own_tokenization(example_data, tmp_path):
     recipe, tokenizer, _ = example_data
-    rows, _ = load_checked_dataset(training_sources(recipe.data)[0].as_data_args(streaming=False))
+    rows, _ = load_checked_dataset(training_sources(recipe.data)[0].as_data_args("datasets", streaming=False))
     rows = rows.select(range(12))
     for completion_only in (None, False):
         ours = FORMATS["alpaca"].to_tokens(rows, tokenizer, Tokenization(256, completion_only_loss=completion_only),

@@ -205,9 +205,9 @@ class SourceData:
     eval_dropped: dict[str, int] = field(default_factory=dict)
 
 
-def _load(source: DatasetSource, streaming: bool, max_rows: int | None = None, mark_bad_rows: bool = False
+def _load(source: DatasetSource, key: str, streaming: bool, max_rows: int | None = None, mark_bad_rows: bool = False
           ) -> tuple[Dataset | IterableDataset, DataReport]:
-    rows, report = load_checked_dataset(source.as_data_args(streaming, max_rows), mark_bad_rows=mark_bad_rows)
+    rows, report = load_checked_dataset(source.as_data_args(key, streaming, max_rows), mark_bad_rows=mark_bad_rows)
     report.source = source.label
     return rows, report
 
@@ -225,7 +225,8 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
     train_parts, eval_parts, raw_train = [], [], []
     for index, source in enumerate(training_sources(data_args)):
         fmt = FORMATS[source.dataset_format]
-        rows, checked = _load(source, streaming, None if data_args.datasets else data_args.max_train_samples, marked)
+        rows, checked = _load(source, "datasets" if data_args.datasets else "dataset_name", streaming,
+                              None if data_args.datasets else data_args.max_train_samples, marked)
         entry = SourceReport(checked=checked, fraction=source.fraction)
         report.sources.append(entry)
         if data_args.test_split_size:
@@ -253,7 +254,7 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
         train_parts.append(rows)
     eval_dropped = Counter()
     for source in eval_sources(data_args):
-        rows, checked = _load(source, streaming=False)  # eval data is finite: read whole, never streamed
+        rows, checked = _load(source, "eval_datasets", streaming=False)  # eval data is finite: read whole, never streamed
         eval_dropped += checked.dropped
         eval_parts.append((source, _eval_rows(FORMATS[source.dataset_format].rows_to_train(rows, turns), source)))
     entries = report.sources

@@ -63,8 +63,9 @@ def load_raw_dataset(data_args) -> Dataset | IterableDataset:
                                    data_dir=getattr(data_args, "dataset_data_dir", None),
                                    data_files=getattr(data_args, "dataset_data_files", None))
     else:
-        refuse_missing_local_path(name)
-        with from_the_hub(name):
+        key = getattr(data_args, "dataset_key", "dataset_name")
+        refuse_missing_local_path(name, key)
+        with from_the_hub(name, key):
             dataset = load_dataset(
                 name,
                 data_args.dataset_config,
@@ -103,10 +104,12 @@ def refusing_unreadable(path: Path) -> Iterator[None]:
 
 
 @contextmanager
-def from_the_hub(name: str) -> Iterator[None]:
+def from_the_hub(name: str, key: str = "dataset_name") -> Iterator[None]:
     """Load the Hub dataset `name`. Where the Hub cannot be asked (`hub_unreachable`), from datasets' cache only (an
     earlier load's), at once: asking would retry for ~23 s first. One that neither the Hub nor that cache gives is one
     refusal: there is no such dataset, it is gated, or a machine without the Hub needs it as files."""
+    if mistyped := loading.a_mistyped_local_folder(name):  # `data/samplez`, where no Hub could say otherwise
+        raise RecipeError(f"Dataset {name} {mistyped}: fix {key}.")
     unreachable = loading.hub_unreachable()
     asks_the_hub = datasets.config.HF_HUB_OFFLINE
     datasets.config.HF_HUB_OFFLINE = asks_the_hub or bool(unreachable)  # load_dataset reads it at each call
@@ -116,12 +119,12 @@ def from_the_hub(name: str) -> Iterator[None]:
         if unreachable:
             raise RecipeError(
                 f"Dataset {name} is not a file or folder here nor in the datasets cache, and the Hugging Face Hub "
-                f"cannot be asked for it ({unreachable}): fix dataset_name, or download it where the Hub answers "
-                f"(`.venv/bin/hf download {name} --repo-type dataset --local-dir DIR`) and set dataset_name to DIR."
+                f"cannot be asked for it ({unreachable}): fix {key}, or download it where the Hub answers "
+                f"(`.venv/bin/hf download {name} --repo-type dataset --local-dir DIR`) and give DIR there."
             ) from None
         raise RecipeError(f"Dataset {name} is not a file or folder here and the Hugging Face Hub does not give it "
-                          f"({str(error).strip().splitlines()[0]}): fix dataset_name (dataset_config, dataset_revision; "
-                          "HF_TOKEN for a gated dataset).") from None
+                          f"({str(error).strip().splitlines()[0]}): fix {key} (its config and revision; HF_TOKEN for a "
+                          "gated dataset).") from None
     finally:
         datasets.config.HF_HUB_OFFLINE = asks_the_hub
 
@@ -493,10 +496,11 @@ class DatasetSource:
         """How the data report names this source."""
         return f"{self.path}:{self.name}" if self.name else self.path
 
-    def as_data_args(self, streaming: bool, max_rows: int | None = None) -> SourceArguments:
-        """This source in the shape the single-dataset loaders read (`DataArguments`' dataset_* names)."""
+    def as_data_args(self, key: str, streaming: bool, max_rows: int | None = None) -> SourceArguments:
+        """This source in the shape the single-dataset loaders read (`DataArguments`' dataset_* names); `key`: the
+        recipe key that names it (dataset_name, datasets, eval_datasets)."""
         return SourceArguments(
-            dataset_name=self.path, dataset_config=self.name, dataset_train_split=self.split,
+            dataset_key=key, dataset_name=self.path, dataset_config=self.name, dataset_train_split=self.split,
             dataset_revision=self.revision, dataset_format=self.dataset_format, dataset_streaming=streaming,
             max_train_samples=max_rows, dataset_data_dir=self.data_dir, dataset_data_files=self.data_files,
             dataset_columns=self.columns, dataset_mapping=self.mapping,
@@ -505,6 +509,7 @@ class DatasetSource:
 
 @dataclass
 class SourceArguments:
+    dataset_key: str  # the recipe key that names the source, for a refusal to point at
     dataset_name: str
     dataset_config: str | None
     dataset_train_split: str
