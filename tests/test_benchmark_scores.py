@@ -197,7 +197,9 @@ def test_run_scores_base_and_tuned_refuses_a_regression_and_evaluate_py_agrees(t
                         "--eval_max_gen_toks", "4", "--per_device_eval_batch_size", "4",
                         "--eval_cache_dir", str(cache), "--eval_max_regression", "{alpaca_answers: 0.1}",
                         "--push_to_hub", "true", "--hub_model_id", "me/tiny-benchmarks",
-                        env={"HF_TOKEN": FAKE_TOKEN, "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}, check=False)
+                        # a Hub whose name resolves (the push is refused at start where none does); nothing answers
+                        env={"HF_TOKEN": FAKE_TOKEN, "HF_ENDPOINT": "http://127.0.0.1:9",
+                             "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}, check=False)
     assert rank_exit_codes(result.stderr) == {0: 2, 1: 2}, result.stderr[-3000:]  # every rank refused
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     summary = read_summary(out)

@@ -665,6 +665,12 @@ def test_the_hub_is_unreachable_offline_or_without_a_name_lookup(monkeypatch):
         raise socket.gaierror(-2, "Name or service not known")
 
     monkeypatch.setattr(socket, "getaddrinfo", no_name_service)
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    assert loading.hub_unreachable() == "huggingface.co does not resolve: no network"
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.internal:3128")  # the proxy resolves the Hub's host, not us
+    assert loading.hub_unreachable() is None
+    monkeypatch.setenv("NO_PROXY", "huggingface.co")  # ... unless the Hub is not reached through it
     assert loading.hub_unreachable() == "huggingface.co does not resolve: no network"
     monkeypatch.setattr(socket, "getaddrinfo", lambda host, port: [("an address",)])
     assert loading.hub_unreachable() is None

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from huggingface_hub import ModelCard
 
+from sft_recipes.errors import RecipeError
 from sft_recipes.reporting.card import CardFacts, base_license, data_sources_from, last_logged, write_model_card
 from sft_recipes.reporting.curves import (
     CURVES_FILE, TrainingCurvesCallback, draw_training_curves, series, write_training_curves,
@@ -263,7 +264,14 @@ class HubArgs:
         self.push_to_hub, self.hub_model_id, self.hub_private_repo = push_to_hub, hub_model_id, hub_private_repo
 
 
-def test_take_over_switches_the_trainer_push_off_and_defaults_to_private(monkeypatch):
+@pytest.fixture
+def hub_answers(monkeypatch):
+    import sft_recipes.loading as loading
+
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: None)
+
+
+def test_take_over_switches_the_trainer_push_off_and_defaults_to_private(monkeypatch, hub_answers):
     monkeypatch.setenv("HF_TOKEN", "hf_abc")
     args = HubArgs()
     assert take_over_hub_push(args) == HubPush("me/model", private=True) and args.push_to_hub is False
@@ -271,7 +279,21 @@ def test_take_over_switches_the_trainer_push_off_and_defaults_to_private(monkeyp
     assert take_over_hub_push(HubArgs(push_to_hub=False)) is None
 
 
-def test_missing_token_or_id_is_named(monkeypatch, tmp_path, export_dir):
+def test_a_push_where_the_hub_cannot_be_asked_is_refused_before_training(monkeypatch):
+    import sft_recipes.loading as loading
+
+    monkeypatch.setenv("HF_TOKEN", "hf_abc")
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: "huggingface.co does not resolve: no network")
+    with pytest.raises(RecipeError) as refused:
+        take_over_hub_push(HubArgs())
+    assert str(refused.value) == (
+        "push_to_hub: true, but the Hugging Face Hub cannot be asked from here (huggingface.co does not resolve: no "
+        "network): the push after training would fail. Set push_to_hub: false and upload the export later "
+        "(`.venv/bin/hf upload me/model OUTPUT_DIR`), or run where the Hub answers.")
+    assert take_over_hub_push(HubArgs(push_to_hub=False)) is None  # no push, nothing to refuse
+
+
+def test_missing_token_or_id_is_named(monkeypatch, tmp_path, export_dir, hub_answers):
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HF_TOKEN_PATH", raising=False)
     with pytest.raises(ValueError, match="needs a Hugging Face token with write access in the HF_TOKEN"):

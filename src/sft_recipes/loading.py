@@ -7,6 +7,7 @@ checkpoint such as qwen3_5 whole: the exported model has the architecture that c
 from __future__ import annotations
 
 import socket
+import urllib.request
 from functools import cached_property
 from pathlib import Path
 from urllib.parse import urlparse
@@ -118,12 +119,17 @@ def cache_only(model_name_or_path: str) -> str | None:
 
 def hub_unreachable() -> str | None:
     """Why asking the Hugging Face Hub could only fail (HF_HUB_OFFLINE, or its host does not resolve: no network), or
-    None. A name lookup, no request: fast either way, where huggingface_hub retries a request for ~30 s."""
+    None. A name lookup, no request: fast either way, where huggingface_hub retries a request for ~30 s. Behind a
+    proxy (HTTPS_PROXY, as huggingface_hub's client reads it) the proxy resolves the host, not this machine: None."""
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE is set"
-    host = urlparse(constants.ENDPOINT).hostname
+    endpoint = urlparse(constants.ENDPOINT)
+    host = endpoint.hostname
+    proxies = urllib.request.getproxies()
+    if (proxies.get(endpoint.scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host):
+        return None
     try:
         socket.getaddrinfo(host, 443)
     except OSError:

@@ -41,6 +41,12 @@ def take_over_hub_push(training_args) -> HubPush | None:
         hub_token()
     except ValueError as err:
         raise RecipeError(str(err)) from None
+    from sft_recipes import loading  # the module: tests stand in for its hub_unreachable
+
+    if unreachable := loading.hub_unreachable():  # refused now, not after the training it would follow
+        raise RecipeError(f"push_to_hub: true, but the Hugging Face Hub cannot be asked from here ({unreachable}): the "
+                          "push after training would fail. Set push_to_hub: false and upload the export later "
+                          f"(`.venv/bin/hf upload {push.repo_id} OUTPUT_DIR`), or run where the Hub answers.")
     return push
 
 
