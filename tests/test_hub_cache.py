@@ -145,7 +145,7 @@ def test_a_hub_dataset_with_no_hub_to_ask_is_one_refusal_at_once(offline_cache, 
 
     _, asked = offline_cache
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
-    asks_the_hub = datasets.config.HF_HUB_OFFLINE
+    was_offline = datasets.config.HF_HUB_OFFLINE
     with pytest.raises(RecipeError) as refused:
         load_raw_dataset(hub_dataset_args("acme/some-chats"))
     assert str(refused.value) == (
@@ -153,7 +153,7 @@ def test_a_hub_dataset_with_no_hub_to_ask_is_one_refusal_at_once(offline_cache, 
         f"cannot be asked for it ({NO_NETWORK}): fix dataset_name, or download it where the Hub answers "
         "(`.venv/bin/hf download acme/some-chats --repo-type dataset --local-dir DIR`) and give DIR there.")
     assert asked == []
-    assert datasets.config.HF_HUB_OFFLINE is asks_the_hub  # after the call, datasets asks the Hub as it did before
+    assert datasets.config.HF_HUB_OFFLINE is was_offline  # after the call, datasets asks the Hub as it did before
     (tmp_path / "data" / "samples").mkdir(parents=True)  # a folder's name mistyped: said as such
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RecipeError) as refused:

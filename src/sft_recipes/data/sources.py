@@ -111,8 +111,8 @@ def from_the_hub(name: str, key: str = "dataset_name") -> Iterator[None]:
     if mistyped := loading.a_mistyped_local_folder(name):  # `data/samplez`, where no Hub could say otherwise
         raise RecipeError(f"Dataset {name} {mistyped}: fix {key}.")
     unreachable = loading.hub_unreachable()
-    asks_the_hub = datasets.config.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = asks_the_hub or bool(unreachable)  # load_dataset reads it at each call
+    was_offline = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = was_offline or bool(unreachable)  # load_dataset reads it at each call
     try:
         yield
     except (DatasetNotFoundError, ConnectionError) as error:
@@ -126,7 +126,7 @@ def from_the_hub(name: str, key: str = "dataset_name") -> Iterator[None]:
                           f"({str(error).strip().splitlines()[0]}): fix {key} (its config and revision; HF_TOKEN for a "
                           "gated dataset).") from None
     finally:
-        datasets.config.HF_HUB_OFFLINE = asks_the_hub
+        datasets.config.HF_HUB_OFFLINE = was_offline
 
 
 def refuse_missing_local_path(name: str, key: str = "dataset_name") -> None:
