@@ -86,26 +86,26 @@ def load_model(name_or_path: str, revision: str | None):
         if hasattr(model, "merge_and_unload"):  # a PEFT adapter: scored merged, as it would be served
             model = model.merge_and_unload()
     else:
-        offline = bool(cache_only(name_or_path))  # the Hub cannot be asked: the cache only, without ~30 s of retries
-        config = hub_config(name_or_path, revision)
-        model = model_class_for(config).from_pretrained(name_or_path, revision=revision, local_files_only=offline)
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, local_files_only=offline)
+        offline = cache_only(name_or_path)  # the Hub cannot be asked: the cache only, without ~30 s of retries
+        config = hub_config(name_or_path, revision, offline)
+        model = model_class_for(config).from_pretrained(name_or_path, revision=revision, local_files_only=bool(offline))
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, local_files_only=bool(offline))
     model.config.use_cache = True
     return model.eval(), tokenizer
 
 
-def hub_config(name: str, revision: str | None):
-    """A Hub model's config; a name that is neither a folder here nor a model the Hub gives is one refusal."""
+def hub_config(name: str, revision: str | None, offline: str | None):
+    """A Hub model's config (from the cache only where `offline` says why the Hub cannot be asked); a name that is
+    neither a folder here nor a model the Hub gives is one refusal."""
     from transformers import AutoConfig
 
-    from sft_recipes.loading import a_mistyped_local_folder, cache_only
+    from sft_recipes.loading import a_mistyped_local_folder
 
     if name.startswith((".", "/", "~")):  # a path, never a Hub id
         raise RecipeError(f"MODEL {name!r} is not a folder here: pass a run's output_dir, a model folder, or a Hub id")
     mistyped = a_mistyped_local_folder(name)
     if mistyped:
         raise RecipeError(f"MODEL {name!r} {mistyped}: pass a run's output_dir, a model folder, or a Hub id")
-    offline = cache_only(name)
     try:
         return AutoConfig.from_pretrained(name, revision=revision, local_files_only=bool(offline))
     except OSError as err:  # no such repo or revision, no network, a gated model without a token
@@ -157,6 +157,7 @@ def data_parallel_accelerator():
 
 def vllm_model(args: argparse.Namespace, settings, folders: contextlib.ExitStack):
     """lm-eval's vLLM model on MODEL: a folder or Hub id as it is, an adapter merged into a temporary folder."""
+    from sft_recipes.loading import cache_only
     from sft_recipes.reporting.load_export import export_kind
     from sft_recipes.scores import import_lm_eval
 
@@ -172,7 +173,8 @@ def vllm_model(args: argparse.Namespace, settings, folders: contextlib.ExitStack
         tokenizer.save_pretrained(path)
         del model
     elif not Path(path).is_dir():
-        hub_config(path, args.revision)  # refused here, before vLLM starts, if the Hub does not give it
+        # refused here, before vLLM starts, if neither the Hub nor its cache gives it
+        hub_config(path, args.revision, cache_only(path))
     import_lm_eval()
     from lm_eval.models.vllm_causallms import VLLM
 

@@ -156,7 +156,8 @@ def test_audit_of_a_non_chat_recipe_is_one_error_line_naming_the_fix():
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert line.startswith("error: --audit-data shows chat assistant masks") and "dataset_format: alpaca (recipe)" in line
+    assert line.startswith("error: --audit-data shows chat assistant masks")
+    assert "dataset_format: alpaca (recipe)" in line
     assert "use it with a chat recipe" in line
     result = run_command([sys.executable, "scripts/sft.py", str(TINY_LLAMA_RECIPE), "--audit-data", "2",
                           "--dataset_name", "data/samples/ultrachat.jsonl", "--dataset_format", "text"])

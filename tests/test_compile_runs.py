@@ -20,8 +20,9 @@ from sft_recipes.planner.report import format_plan, plan_recipe
 TINY = REPO_ROOT / "recipes" / "tiny"
 LOGGING = ("--save_steps", "1000", "--logging_steps", "1", "--report_to", "none", "--sample_prompts", "[]")
 # name: (recipe, arguments, steps, what the run says it compiled). Llama: packed chat blocks whose examples' number
-# and lengths change every step, 20 steps, and 4 steps of 256-token blocks under sequence parallelism; qwen3_5: its recipe's packed blocks, 6 steps (compiling it is the slow
-# part; the gated-delta layers' per-example torch loops run eagerly between graphs); gpt-oss: its recipe's unpacked
+# and lengths change every step, 20 steps, and 4 steps of 256-token blocks under sequence parallelism; qwen3_5: its
+# recipe's packed blocks, 6 steps (compiling it is the slow part; the gated-delta layers' per-example torch loops run
+# eagerly between graphs); gpt-oss: its recipe's unpacked
 # reasoning examples of changing lengths, one a step, LoRA on attention and on the experts (peft's ParamWrapper, run
 # eagerly), 5 steps.
 TWINS = {

@@ -117,6 +117,27 @@ def test_evaluate_scores_a_cached_hub_model_without_a_request(offline_cache):
     assert asked == []
 
 
+def test_evaluate_hands_vllm_a_cached_hub_id_and_refuses_one_not_cached_before_vllm_starts(offline_cache,
+                                                                                            monkeypatch):
+    import contextlib
+    import sys
+
+    cache, asked = offline_cache
+    cache_a_hub_model(cache, "acme/tiny-llama", ensure_tiny("llama"))
+    evaluate = _script("evaluate")
+    started = []  # vLLM is not installed here: lm-eval's VLLM is replaced by what records what it was given
+    monkeypatch.setitem(sys.modules, "lm_eval.models.vllm_causallms",
+                        SimpleNamespace(VLLM=lambda pretrained, **kwargs: started.append(pretrained)))
+    with contextlib.ExitStack() as folders:
+        evaluate.vllm_model(SimpleNamespace(model="acme/tiny-llama", revision=None), SimpleNamespace(seed=0), folders)
+        with pytest.raises(RecipeError, match="^MODEL 'acme/not-cached' is not a folder here nor in the Hugging Face "
+                                              "cache"):
+            evaluate.vllm_model(SimpleNamespace(model="acme/not-cached", revision=None), SimpleNamespace(seed=0),
+                                folders)
+    assert started == ["acme/tiny-llama"]
+    assert asked == []
+
+
 def test_merge_lora_takes_a_cached_hub_base_without_a_request(offline_cache, tmp_path):
     cache, asked = offline_cache
     snapshot = cache_a_hub_model(cache, "acme/tiny-gpt-oss", ensure_tiny("gpt_oss"))

@@ -285,9 +285,9 @@ def torch_compile_settings_we_do_not_run(recipe: Recipe, ctx: LintContext) -> st
                 if recipe.values.get(key) not in (None, "inductor" if key == "torch_compile_backend" else None)]
     if not set_keys:
         return None
-    return (f"{' and '.join(set_keys)} set ({where_set(recipe, set_keys[0])}): this project compiles each decoder layer "
-            "with inductor's default mode (torch_compile: true, docs/compile.md) and cannot run another backend or "
-            f"mode; remove {', '.join(set_keys)} and set torch_compile: true")
+    return (f"{' and '.join(set_keys)} set ({where_set(recipe, set_keys[0])}): this project compiles each decoder "
+            "layer with inductor's default mode (torch_compile: true, docs/compile.md) and cannot run another backend "
+            f"or mode; remove {', '.join(set_keys)} and set torch_compile: true")
 
 
 def liger_kernels_we_do_not_offer(recipe: Recipe, ctx: LintContext) -> str | None:

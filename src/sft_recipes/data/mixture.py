@@ -254,7 +254,8 @@ def build_source_data(data_args, tokenization: Tokenization, tokenizer, seed: in
         train_parts.append(rows)
     eval_dropped = Counter()
     for source in eval_sources(data_args):
-        rows, checked = _load(source, "eval_datasets", streaming=False)  # eval data is finite: read whole, never streamed
+        # eval data is finite: read whole, never streamed
+        rows, checked = _load(source, "eval_datasets", streaming=False)
         eval_dropped += checked.dropped
         eval_parts.append((source, _eval_rows(FORMATS[source.dataset_format].rows_to_train(rows, turns), source)))
     entries = report.sources

@@ -121,8 +121,8 @@ def build_data(run: Run, tokenizer) -> RunData:
 def vision_processing(run: Run, tokenizer) -> VisionProcessing:
     """The model's tokenizer and image processor (its preprocessor_config.json), bounded by min/max_pixels."""
     data_args = run.recipe.data
-    return VisionProcessing(tokenizer, run.source.load_image_processor(), run.source.config, min_pixels=data_args.min_pixels,
-                            max_pixels=data_args.max_pixels)
+    return VisionProcessing(tokenizer, run.source.load_image_processor(), run.source.config,
+                            min_pixels=data_args.min_pixels, max_pixels=data_args.max_pixels)
 
 
 def audit_data(run: Run, tokenizer, n: int) -> str:

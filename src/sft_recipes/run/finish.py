@@ -76,7 +76,8 @@ def finish(run: Run, training: Training) -> RunResult:
         if wants_benchmarks(recipe.training) and (refusal := wait_for_outcome()):
             raise RecipeError(refusal)  # rank 0 prints it; every rank exits 2
         return result
-    copy_processor_files(run.source.processor_files(), output_dir)  # a VLM's image processor: the export loads as it came in
+    # a VLM's image processor: the export loads as it came in
+    copy_processor_files(run.source.processor_files(), output_dir)
     report = summary.finish(training.seconds, output_dir, export_check, training.resumed_from, training.layout,
                             trainer.data_wait_seconds)
     # How to prompt the export as it was trained, and whether it is a random stand-in (scripts/show_run.py reads both)
