@@ -3,10 +3,13 @@ base and tuned with its gate, and scripts/evaluate.py scoring the same export to
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import re
+import socket
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -178,6 +181,19 @@ def test_an_export_that_cannot_be_scored_is_one_refusal_and_stays(tmp_path):
     assert (export / "config.json").is_file()
 
 
+@contextlib.contextmanager
+def a_hub_that_closes_every_connection():
+    """An HF_ENDPOINT that takes connections and closes them unanswered: a request to it fails at once."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        def close_each():
+            with contextlib.suppress(OSError):  # the server closed
+                while True:
+                    server.accept()[0].close()
+
+        threading.Thread(target=close_each, daemon=True).start()
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
 @pytest.mark.fsdp
 def test_run_scores_base_and_tuned_refuses_a_regression_and_evaluate_py_agrees(tmp_path):
     out, cache = tmp_path / "out", tmp_path / "cache"
@@ -190,16 +206,16 @@ def test_run_scores_base_and_tuned_refuses_a_regression_and_evaluate_py_agrees(t
                                          "output": row["choices"][1 - row["label"]]}) + "\n"
                              for row in task_rows[:WRONG_ROWS]) * 3)  # 18 rows: more than one global batch of 16
     store = tmp_path / "mlflow.db"
-    result = launch_sft(TINY_LLAMA_RECIPE, "--max_steps", str(REGRESSION_STEPS), "--learning_rate",
-                        str(REGRESSION_LEARNING_RATE), "--dataset_name", str(wrong), "--output_dir", str(out),
-                        "--save_strategy", "'no'", "--sample_prompts", "[]",
-                        "--eval_tasks", "[{task: alpaca_answers, limit: 6}, {task: gsm8k_local, limit: 2}]",
-                        "--eval_max_gen_toks", "4", "--per_device_eval_batch_size", "4",
-                        "--eval_cache_dir", str(cache), "--eval_max_regression", "{alpaca_answers: 0.1}",
-                        "--push_to_hub", "true", "--hub_model_id", "me/tiny-benchmarks",
-                        # a Hub whose name resolves (the push is refused at start where none does); nothing answers
-                        env={"HF_TOKEN": FAKE_TOKEN, "HF_ENDPOINT": "http://127.0.0.1:9",
-                             "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}, check=False)
+    with a_hub_that_closes_every_connection() as hub:  # where no connection opens, the push is refused at start
+        result = launch_sft(TINY_LLAMA_RECIPE, "--max_steps", str(REGRESSION_STEPS), "--learning_rate",
+                            str(REGRESSION_LEARNING_RATE), "--dataset_name", str(wrong), "--output_dir", str(out),
+                            "--save_strategy", "'no'", "--sample_prompts", "[]",
+                            "--eval_tasks", "[{task: alpaca_answers, limit: 6}, {task: gsm8k_local, limit: 2}]",
+                            "--eval_max_gen_toks", "4", "--per_device_eval_batch_size", "4",
+                            "--eval_cache_dir", str(cache), "--eval_max_regression", "{alpaca_answers: 0.1}",
+                            "--push_to_hub", "true", "--hub_model_id", "me/tiny-benchmarks",
+                            env={"HF_TOKEN": FAKE_TOKEN, "HF_ENDPOINT": hub,
+                                 "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}, check=False)
     assert rank_exit_codes(result.stderr) == {0: 2, 1: 2}, result.stderr[-3000:]  # every rank refused
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     summary = read_summary(out)

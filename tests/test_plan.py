@@ -650,7 +650,8 @@ def test_a_model_neither_here_nor_on_the_hub_is_one_line_before_the_tokenizer_or
     assert asked[-1] == "meta-llama/Llama-3.1-70B (cache only)"
 
 
-def test_the_hub_is_unreachable_offline_or_without_a_name_lookup(monkeypatch):
+def test_the_hub_is_unreachable_offline_or_without_a_connection(monkeypatch):
+    import functools
     import socket
 
     from huggingface_hub import constants
@@ -660,19 +661,37 @@ def test_the_hub_is_unreachable_offline_or_without_a_name_lookup(monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert loading.hub_unreachable() == "HF_HUB_OFFLINE is set"
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-
-    def no_name_service(host, port):
-        raise socket.gaierror(-2, "Name or service not known")
-
-    monkeypatch.setattr(socket, "getaddrinfo", no_name_service)
+    monkeypatch.setattr(loading, "no_connection", functools.cache(loading.no_connection.__wrapped__))  # a new process
     for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
+    tried = []
+
+    def network(error: OSError | None):
+        def connect(address, timeout):
+            tried.append((address, timeout))
+            if error:
+                raise error
+            return socket.socket()  # closed by the caller
+
+        monkeypatch.setattr(socket, "create_connection", connect)
+        loading.no_connection.cache_clear()
+
+    network(socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
     assert loading.hub_unreachable() == "huggingface.co does not resolve: no network"
-    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.internal:3128")  # the proxy resolves the Hub's host, not us
+    assert tried == [(("huggingface.co", 443), loading.HUB_CONNECT_TIMEOUT_S)]
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.internal:3128")  # the proxy connects to the Hub, not us
     assert loading.hub_unreachable() is None
     monkeypatch.setenv("NO_PROXY", "huggingface.co")  # ... unless the Hub is not reached through it
     assert loading.hub_unreachable() == "huggingface.co does not resolve: no network"
-    monkeypatch.setattr(socket, "getaddrinfo", lambda host, port: [("an address",)])
+    assert len(tried) == 1  # once per process
+    network(TimeoutError("timed out"))  # a firewall that drops the packets
+    assert loading.hub_unreachable() == "no connection to huggingface.co:443 within 5 s: a firewall?"
+    network(ConnectionRefusedError(111, "Connection refused"))  # ... or refuses them
+    assert loading.hub_unreachable() == "no connection to huggingface.co:443: Connection refused"
+    monkeypatch.setattr(constants, "ENDPOINT", "http://hub.internal:8080")  # a mirror (HF_ENDPOINT), on its own port
+    assert loading.hub_unreachable() == "no connection to hub.internal:8080: Connection refused"
+    assert tried[-1] == (("hub.internal", 8080), 5)
+    network(None)
     assert loading.hub_unreachable() is None
 
 
