@@ -188,6 +188,23 @@ def test_output_dir_off_volumes_is_a_warning_not_an_error(tmp_path):
     assert problems[0].message.startswith("output_dir 'outputs/llama' is not on a /Volumes/ path")
 
 
+def test_a_model_config_missing_from_the_cache_is_a_warning_naming_the_config_to_pass(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))  # a machine that never downloaded it
+    not_planned = "the memory plan was not checked: {0} is not in the Hugging Face cache and the planner never downloads: "
+    download = "or run `.venv/bin/hf download {0} config.json` first"
+    problems = check_workload(broken_copy(tmp_path, lambda workload: None))
+    assert [(p.message, p.warning) for p in problems] == [(
+        not_planned.format("meta-llama/Llama-3.1-8B") + "pass `--model-config "
+        "data/realworld/model_configs/meta-llama__Llama-3.1-8B.json` (shipped with this clone), "
+        + download.format("meta-llama/Llama-3.1-8B"), True)]
+    problems = check_workload(broken_copy(tmp_path, _set("parameters.model_name_or_path", "acme/private-8b")))
+    assert [(p.message, p.warning) for p in problems] == [(
+        not_planned.format("acme/private-8b") + "pass `--model-config CONFIG.json` (the model's config.json, or its "
+        "directory), " + download.format("acme/private-8b"), True)]
+
+
 @pytest.mark.slow
 def test_every_problem_at_once_one_line_each_exit_2(tmp_path):
     def two_wrongs(workload):

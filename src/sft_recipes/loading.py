@@ -65,15 +65,21 @@ def read_model_config(model_name_or_path: str | Path, revision: str | None = Non
                 "model_name_or_path (a model folder or a Hub id; model_revision for another revision, HF_TOKEN for a "
                 "gated model)."
             ) from None
-        shipped = next((path for path in (SHIPPED_MODEL_CONFIGS / f"{name.replace('/', '__')}{suffix}"
-                                          for suffix in (".json", ".derived.json")) if path.is_file()), None)
-        example = (f"`--model_name_or_path {shipped.as_posix()}` (shipped with this clone)" if shipped else
+        raise ConfigNotInTheCache(name) from error
+
+
+class ConfigNotInTheCache(RecipeError):
+    """A Hub id whose config.json the planner needs and the Hugging Face cache lacks; `shipped`: this clone's copy."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.shipped = next((path for path in (SHIPPED_MODEL_CONFIGS / f"{name.replace('/', '__')}{suffix}"
+                                               for suffix in (".json", ".derived.json")) if path.is_file()), None)
+        example = (f"`--model_name_or_path {self.shipped.as_posix()}` (shipped with this clone)" if self.shipped else
                    f"one of the shipped {SHIPPED_MODEL_CONFIGS.as_posix()}/*.json")
-        raise RecipeError(
-            f"{name} is not in the Hugging Face cache and the planner never downloads: run "
-            f"`.venv/bin/hf download {name} config.json`, or point model_name_or_path at a local config.json file "
-            f"(or a directory holding one), e.g. {example}."
-        ) from error
+        super().__init__(f"{name} is not in the Hugging Face cache and the planner never downloads: run "
+                         f"`.venv/bin/hf download {name} config.json`, or point model_name_or_path at a local "
+                         f"config.json file (or a directory holding one), e.g. {example}.")
 
 
 def refuse_a_missing_local_model(name: str) -> None:

@@ -69,6 +69,7 @@ from sft_recipes.command_line import OneLineParser
 from sft_recipes.config import PARAMETERS_ENV, without_overridden_batch_keys
 from sft_recipes.errors import RecipeError
 from sft_recipes.launch import AccelerateConfig, read_accelerate_config
+from sft_recipes.loading import ConfigNotInTheCache
 
 # ---- the runtime's rules (facts from the Databricks CLI, see the module docstring) ----------------
 
@@ -419,9 +420,13 @@ def _fit_problems(recipe_path: Path, overrides: dict, config: AccelerateConfig, 
 
     try:
         base = plan({})
+    except ConfigNotInTheCache as err:
+        config_file = (f"--model-config {err.shipped.as_posix()}` (shipped with this clone)" if err.shipped else
+                       "--model-config CONFIG.json` (the model's config.json, or its directory)")
+        return [Problem(f"the memory plan was not checked: {err.name} is not in the Hugging Face cache and the "
+                        f"planner never downloads: pass `{config_file}, or run `.venv/bin/hf download {err.name} "
+                        "config.json` first", True)]
     except RecipeError as err:
-        if "not in the Hugging Face cache" in str(err):
-            return [Problem(f"the memory plan was not checked: {err} (or pass --model-config CONFIG.json)", True)]
         return [Problem(f"the recipe's --dry-run plan fails: {err}")]
     except ValueError as err:
         return [Problem(f"the recipe's --dry-run plan fails: {err}: fix the sizes in parameters or the command")]
