@@ -224,7 +224,7 @@ AREAS = {
     "fault": ("fault_checkpoints", "fault_guards", "fault_preemption_exit", "fault_resume", "output_disk",
               "world_size", "refusals", "preflight_launch", "hub_cache"),
     "reporting": ("console", "export_check", "metrics", "reporting", "samples_chat", "summary", "vision_samples",
-                  "smollm2", "mlflow_status", "replies", "benchmark_scores"),
+                  "smollm2", "mlflow_status", "replies", "benchmark_scores", "tracking_server"),
     "entry": ("config", "recipes", "readme_commands", "notebooks", "python_api", "parameters_file",
               "workload_check", "workload_global_batch", "workload_runs", "suite_layout", "one_process_api",
               "new_workload"),

@@ -651,22 +651,24 @@ def test_a_model_neither_here_nor_on_the_hub_is_one_line_before_the_tokenizer_or
 
 
 def test_the_hub_is_unreachable_offline_or_without_a_connection(monkeypatch):
-    import functools
     import socket
 
     from huggingface_hub import constants
 
     import sft_recipes.loading as loading
+    from sft_recipes import network
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert loading.hub_unreachable() == "HF_HUB_OFFLINE is set"
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(loading, "no_connection", functools.cache(loading.no_connection.__wrapped__))  # a new process
+    monkeypatch.setattr(network, "_answers", {})  # a new process
+    clock = [1000.0]
+    monkeypatch.setattr(network, "monotonic", lambda: clock[0])
     for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
     tried = []
 
-    def network(error: OSError | None):
+    def connections_end_with(error: OSError | None):
         def connect(address, timeout):
             tried.append((address, timeout))
             if error:
@@ -674,24 +676,24 @@ def test_the_hub_is_unreachable_offline_or_without_a_connection(monkeypatch):
             return socket.socket()  # closed by the caller
 
         monkeypatch.setattr(socket, "create_connection", connect)
-        loading.no_connection.cache_clear()
+        clock[0] += network.REMEMBERED_S  # the last answer is forgotten: asked again
 
-    network(socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
+    connections_end_with(socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
     assert loading.hub_unreachable() == "huggingface.co does not resolve: no network"
-    assert tried == [(("huggingface.co", 443), loading.HUB_CONNECT_TIMEOUT_S)]
+    assert tried == [(("huggingface.co", 443), network.CONNECT_TIMEOUT_S)]
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.internal:3128")  # the proxy connects to the Hub, not us
     assert loading.hub_unreachable() is None
     monkeypatch.setenv("NO_PROXY", "huggingface.co")  # ... unless the Hub is not reached through it
     assert loading.hub_unreachable() == "huggingface.co does not resolve: no network"
-    assert len(tried) == 1  # once per process
-    network(TimeoutError("timed out"))  # a firewall that drops the packets
+    assert len(tried) == 1  # the first answer serves a run's start
+    connections_end_with(TimeoutError("timed out"))  # a firewall that drops the packets
     assert loading.hub_unreachable() == "no connection to huggingface.co:443 within 5 s: a firewall?"
-    network(ConnectionRefusedError(111, "Connection refused"))  # ... or refuses them
+    connections_end_with(ConnectionRefusedError(111, "Connection refused"))  # ... or refuses them
     assert loading.hub_unreachable() == "no connection to huggingface.co:443: Connection refused"
     monkeypatch.setattr(constants, "ENDPOINT", "http://hub.internal:8080")  # a mirror (HF_ENDPOINT), on its own port
     assert loading.hub_unreachable() == "no connection to hub.internal:8080: Connection refused"
     assert tried[-1] == (("hub.internal", 8080), 5)
-    network(None)
+    connections_end_with(None)
     assert loading.hub_unreachable() is None
 
 

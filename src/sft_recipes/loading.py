@@ -6,15 +6,13 @@ checkpoint such as qwen3_5 whole: the exported model has the architecture that c
 
 from __future__ import annotations
 
-import socket
-import urllib.request
-from functools import cache, cached_property
+from functools import cached_property
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 import transformers
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from sft_recipes import network
 from sft_recipes.errors import RecipeError
 
 TINY_SCHEME = "tiny:"  # "tiny:llama" -> a tiny random stand-in built offline (sft_recipes.tiny)
@@ -124,39 +122,14 @@ def cache_only(model_name_or_path: str) -> str | None:
 
 
 def hub_unreachable() -> str | None:
-    """Why asking the Hugging Face Hub could only fail, or None: HF_HUB_OFFLINE, or no connection to its host (it does
-    not resolve, or a firewall refuses or drops it). One connection, no request: where huggingface_hub would retry
-    each file for ~30 s. Behind a proxy (HTTPS_PROXY, as huggingface_hub's client reads it) the proxy connects to the
-    Hub, not this machine: None."""
+    """Why asking the Hugging Face Hub could only fail, or None: HF_HUB_OFFLINE, or no connection to its host
+    (`network.unreachable`: it does not resolve, or a firewall refuses or drops it; not asked behind a proxy). One
+    connection per process, no request: where huggingface_hub would retry each file for ~30 s."""
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE is set"
-    endpoint = urlparse(constants.ENDPOINT)
-    host = endpoint.hostname
-    proxies = urllib.request.getproxies()
-    if (proxies.get(endpoint.scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host):
-        return None
-    return no_connection(host, endpoint.port or (443 if endpoint.scheme == "https" else 80))
-
-
-# Long enough for two lost connection attempts (the kernel resends at 1 s and 3 s) on a lossy link; what a firewall
-# that drops the Hub's packets costs a process, once.
-HUB_CONNECT_TIMEOUT_S = 5
-
-
-@cache  # once per process: a dropping firewall would cost each call the timeout
-def no_connection(host: str, port: int) -> str | None:
-    """Why no connection to host:port opens ("huggingface.co does not resolve: no network"), or None."""
-    try:
-        socket.create_connection((host, port), timeout=HUB_CONNECT_TIMEOUT_S).close()
-    except socket.gaierror:
-        return f"{host} does not resolve: no network"
-    except TimeoutError:
-        return f"no connection to {host}:{port} within {HUB_CONNECT_TIMEOUT_S} s: a firewall?"
-    except OSError as error:
-        return f"no connection to {host}:{port}: {error.strerror or error}"
-    return None
+    return network.unreachable(constants.ENDPOINT)
 
 
 def resolve_model_path(model_name_or_path: str) -> str:

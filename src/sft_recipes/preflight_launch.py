@@ -13,8 +13,8 @@ Two checks, in this order:
    transformers' "Your setup doesn't support bf16/gpu". Reads the two YAML files and the GPU count.
 2. The recipe: parsed with the overrides the launch will pass (every key, type and range), the
    mixture's entries, local data paths, a local model path and a resume_from_checkpoint path, the Hub push's
-   id and token, and every lint rule that needs no model config (world size, launcher settings as the
-   accelerate config exports them). A few seconds: the recipe dataclasses import TRL, nothing loads a
+   id and token, an MLflow tracking server that does not answer, and every lint rule that needs no model config
+   (world size, launcher settings as the accelerate config exports them). A few seconds: the recipe dataclasses import TRL, nothing loads a
    model or data. The rules that need the model's config.json run again at start, in every process.
 What the config launches (nodes, processes per node) is `sft_recipes.launch`'s.
 """
@@ -59,6 +59,7 @@ def recipe_refusal(config_path: str, recipe_path: str, overrides: list[str], wor
     from sft_recipes.lint import LintContext, lint_recipe
     from sft_recipes.loading import refuse_a_missing_local_model
     from sft_recipes.reporting.hub import take_over_hub_push
+    from sft_recipes.reporting.tracking import refuse_a_tracking_server_that_does_not_answer
 
     try:
         accelerate_config = read_accelerate_config(config_path)
@@ -74,6 +75,7 @@ def recipe_refusal(config_path: str, recipe_path: str, overrides: list[str], wor
             refuse_a_resume_path_without_a_checkpoint(recipe.training.resume_from_checkpoint,
                                                       recipe.training.output_dir)
             take_over_hub_push(recipe.training)
+            refuse_a_tracking_server_that_does_not_answer(recipe.training, recipe.model.mlflow_experiment_name)
             world = world_size or accelerate_config.num_processes
             lint_recipe(recipe, LintContext(world_size=world, has_accelerator=has_accelerator))
     except RecipeError as err:

@@ -19,14 +19,17 @@ param must keep its value in one run: what a retry may change is logged as tags 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from transformers import TrainerCallback
 
+from sft_recipes import network
 from sft_recipes.data.report import DataReport, MixtureReport
 from sft_recipes.errors import RecipeError
 
@@ -55,6 +58,66 @@ def configure_mlflow(training_args, experiment_name: str | None) -> str | None:
     if experiment_name and not os.environ.get("MLFLOW_RUN_ID"):  # an injected run's experiment wins
         os.environ.setdefault("MLFLOW_EXPERIMENT_NAME", experiment_name)
     return os.environ["MLFLOW_TRACKING_URI"]
+
+
+# What a loaded tracking server may take to answer the check's one request; one that hangs costs a process this, once.
+TRACKING_CHECK_TIMEOUT_S = 30
+
+
+@contextlib.contextmanager
+def one_request_without_retries():
+    """MLflow's client asks once, for at most TRACKING_CHECK_TIMEOUT_S, inside this block (both read at each request).
+    Its default is 7 retries with backoff, each up to 120 s."""
+    saved = {name: os.environ.get(name) for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
+    os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(TRACKING_CHECK_TIMEOUT_S))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
+def refuse_a_tracking_server_that_does_not_answer(training_args, experiment_name: str | None) -> None:
+    """An MLflow tracking server (an http(s) MLFLOW_TRACKING_URI) that does not answer, or refuses the request
+    MLflow's logging makes first, is refused before anything loads. MLflow's client retries each request 7 times:
+    a server that was down cost a run 4 min 25 s, then a traceback at the first step, after the model loaded."""
+    if not mlflow_enabled(training_args):
+        return
+    uri = tracking_uri()
+    if urlparse(uri).scheme not in ("http", "https"):
+        return  # a local store, or Databricks' (its workspace's host and credentials)
+    reason = network.unreachable(uri)
+    if reason is None:
+        from mlflow import MlflowClient
+        from mlflow.exceptions import MlflowException
+
+        try:
+            with one_request_without_retries():  # what transformers' MLflowCallback asks first (set_experiment)
+                MlflowClient(uri).get_experiment_by_name(os.environ.get("MLFLOW_EXPERIMENT_NAME") or experiment_name
+                                                         or "Default")
+        except MlflowException as err:
+            if answered_with_a_status_mlflow_retries(err):
+                logger.warning("MLFLOW_TRACKING_URI=%s answered 429 or 5xx (busy or unavailable) to the check's "
+                               "request; MLflow's logging retries such answers itself (7 times, ~4 min)", uri)
+                return
+            reason = err.message.splitlines()[0]
+    if reason:
+        raise RecipeError(f"MLFLOW_TRACKING_URI={uri} does not answer as an MLflow tracking server ({reason}): "
+                          "start it or fix MLFLOW_TRACKING_URI (and MLFLOW_TRACKING_TOKEN, or _USERNAME and "
+                          "_PASSWORD), unset it to log to the local ./mlruns.db, or pass --report_to none.")
+
+
+def answered_with_a_status_mlflow_retries(err: Exception) -> bool:
+    """429 or 5xx: requests' RetryError under MLflow's exception. The server is there, perhaps only busy."""
+    import requests
+
+    cause = err
+    while cause is not None and not isinstance(cause, requests.exceptions.RetryError):
+        cause = cause.__cause__ or cause.__context__
+    return cause is not None
 
 
 def check_injected_mlflow_run(training_args, experiment_name: str | None, is_main: bool) -> None:

@@ -22,7 +22,7 @@ from sft_recipes.lint import LintContext, lint_recipe
 from sft_recipes.loading import ModelSource
 from sft_recipes.reporting.console import keep_train_log, one_voice, open_train_log
 from sft_recipes.reporting.hub import HubPush, take_over_hub_push
-from sft_recipes.reporting.tracking import check_injected_mlflow_run
+from sft_recipes.reporting.tracking import check_injected_mlflow_run, refuse_a_tracking_server_that_does_not_answer
 from sft_recipes.run.sequence_parallel import SequenceParallel, start_sequence_parallel
 
 logger = logging.getLogger("sft")
@@ -89,6 +89,7 @@ def start_run(recipe: Recipe, read_only: bool = False) -> Run:
         open_train_log(recipe.training.output_dir)  # output_dir/train.log: rank 0's console, every rank's refusal
     source = ModelSource(recipe.model)
     lint_recipe(recipe, LintContext.from_environment(lambda: source.config))
+    refuse_a_tracking_server_that_does_not_answer(recipe.training, recipe.model.mlflow_experiment_name)
     check_injected_mlflow_run(recipe.training, recipe.model.mlflow_experiment_name,  # a run MLflow would refuse late
                               is_main=os.environ.get("RANK", "0") == "0")
     training = recipe.training
