@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -10,7 +11,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -54,6 +57,33 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def an_http_server(status: int, body: dict):
+    """A server that answers every GET with `status` and the JSON `body` (a stand-in for the Hub or an MLflow
+    server); yields its URL and the paths asked."""
+    asked = []
+
+    class Answer(BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.append(self.path)
+            payload = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):  # not on the test's stderr
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Answer) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}", asked
+        finally:
+            server.shutdown()
 
 
 def bin_path(name: str) -> str:

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from huggingface_hub import ModelCard
 
+from conftest import TINY_LLAMA_RECIPE, an_http_server
 from sft_recipes.errors import RecipeError
 from sft_recipes.reporting.card import CardFacts, base_license, data_sources_from, last_logged, write_model_card
 from sft_recipes.reporting.curves import (
@@ -291,6 +292,42 @@ def test_a_push_where_the_hub_cannot_be_asked_is_refused_before_training(monkeyp
         "network): the push after training would fail. Set push_to_hub: false and upload the export later "
         "(`.venv/bin/hf upload me/model OUTPUT_DIR`), or run where the Hub answers.")
     assert take_over_hub_push(HubArgs(push_to_hub=False)) is None  # no push, nothing to refuse
+
+
+WRITE_TOKEN = {"type": "user", "name": "me", "auth": {"type": "access_token",
+                                                      "accessToken": {"displayName": "ci-push", "role": "write"}}}
+READ_TOKEN = {"type": "user", "name": "me", "auth": {"type": "access_token",
+                                                     "accessToken": {"displayName": "laptop", "role": "read"}}}
+
+
+@pytest.mark.parametrize(("status", "answer", "refusal"), [
+    (200, WRITE_TOKEN, None),
+    (200, READ_TOKEN, "push_to_hub: true, but the token in HF_TOKEN (laptop) is read-only: the Hub would refuse the push "
+                      "of me/model after training. Set HF_TOKEN to a write token, or a fine-grained one that may write "
+                      "to me."),
+    (401, {"error": "Invalid credentials in Authorization header"},
+     "push_to_hub: true, but the Hugging Face Hub rejects the token in HF_TOKEN (401, invalid or revoked): the push of "
+     "me/model after training would fail. Set HF_TOKEN to a token with write access "
+     "(https://huggingface.co/settings/tokens)."),
+    (429, {"error": "rate limited"}, None),  # whoami is rate-limited: the push asks again
+], ids=["write", "read-only", "rejected", "busy"])
+def test_the_launch_precheck_asks_the_hub_whether_the_token_can_push(status, answer, refusal, monkeypatch):
+    from huggingface_hub import constants
+
+    from sft_recipes.preflight_launch import recipe_refusal
+
+    monkeypatch.setenv("HF_TOKEN", "hf_abc")
+    with an_http_server(status, answer) as (hub, asked):
+        monkeypatch.setattr(constants, "ENDPOINT", hub)  # HF_ENDPOINT
+        assert recipe_refusal("accelerate_configs/fsdp2_cpu.yaml", str(TINY_LLAMA_RECIPE),
+                              ["--push_to_hub", "true", "--hub_model_id", "me/model"], None, False) == refusal
+        # huggingface_hub also asks once per process for its agent list (huggingface_hub#4904)
+        whoami = [path for path in asked if path != "/api/agent-harnesses"]
+        assert whoami == ["/api/whoami-v2"]
+        if answer is WRITE_TOKEN:
+            asked.clear()
+            assert recipe_refusal("accelerate_configs/fsdp2_cpu.yaml", str(TINY_LLAMA_RECIPE), [], None, False) is None
+            assert asked == []  # no push: the Hub is not asked
 
 
 def test_missing_token_or_id_is_named(monkeypatch, tmp_path, export_dir, hub_answers):

@@ -4,17 +4,13 @@ then a traceback at the first step). A server that answers as MLflow does is use
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import TINY_LLAMA_RECIPE, free_port, launch_sft
+from conftest import TINY_LLAMA_RECIPE, an_http_server, free_port, launch_sft
 from fault_helpers import rank_exit_codes
 from sft_recipes.errors import RecipeError
 from sft_recipes.preflight_launch import recipe_refusal
@@ -25,36 +21,10 @@ FIX = ("start it or fix MLFLOW_TRACKING_URI (and MLFLOW_TRACKING_TOKEN, or _USER
        "to the local ./mlruns.db, or pass --report_to none.")
 
 
-@contextlib.contextmanager
-def a_tracking_server(status: int, body: dict):
-    """An HTTP server that answers every request with `status` and `body`; yields its URI and the paths asked."""
-    asked = []
-
-    class Answer(BaseHTTPRequestHandler):
-        def do_GET(self):
-            asked.append(self.path)
-            payload = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def log_message(self, *args):  # not on the test's stderr
-            pass
-
-    with ThreadingHTTPServer(("127.0.0.1", 0), Answer) as server:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        try:
-            yield f"http://127.0.0.1:{server.server_address[1]}", asked
-        finally:
-            server.shutdown()
-
-
 def test_a_server_that_answers_as_mlflow_passes_with_one_request(monkeypatch):
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
     not_there = {"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "Could not find experiment with name 'sft-x'"}
-    with a_tracking_server(404, not_there) as (uri, asked):  # what MLflow answers for an experiment not yet made
+    with an_http_server(404, not_there) as (uri, asked):  # what MLflow answers for an experiment not yet made
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
         refuse_a_tracking_server_that_does_not_answer(MLFLOW_RUN, "sft-x")
     assert asked == ["/api/2.0/mlflow/experiments/get-by-name?experiment_name=sft-x"]
@@ -64,7 +34,7 @@ def test_a_server_that_answers_as_mlflow_passes_with_one_request(monkeypatch):
 def test_a_server_that_refuses_the_request_is_one_line_after_one_request(monkeypatch):
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "team-runs")  # the name MLflow's logging will ask for
     no_credentials = {"error_code": "UNAUTHENTICATED", "message": "You are not authenticated."}
-    with a_tracking_server(401, no_credentials) as (uri, asked):
+    with an_http_server(401, no_credentials) as (uri, asked):
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
         with pytest.raises(RecipeError) as err:
             refuse_a_tracking_server_that_does_not_answer(MLFLOW_RUN, "sft-x")
@@ -75,7 +45,7 @@ def test_a_server_that_refuses_the_request_is_one_line_after_one_request(monkeyp
 
 @pytest.mark.parametrize("status", [429, 503])
 def test_a_busy_server_is_left_to_mlflows_own_retries_after_one_request(status, monkeypatch, caplog):
-    with a_tracking_server(status, {}) as (uri, asked), caplog.at_level(logging.WARNING, logger="sft"):
+    with an_http_server(status, {}) as (uri, asked), caplog.at_level(logging.WARNING, logger="sft"):
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
         refuse_a_tracking_server_that_does_not_answer(MLFLOW_RUN, "sft-x")  # not refused: it is there, perhaps busy
     assert len(asked) == 1  # MLflow's client alone would have asked 8 times

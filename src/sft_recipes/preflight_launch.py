@@ -11,11 +11,12 @@ lines of its own (and `tail` shows only those).
 Two checks, in this order:
 1. GPUs: a GPU recipe on a laptop would start one process per configured GPU, each failing with
    transformers' "Your setup doesn't support bf16/gpu". Reads the two YAML files and the GPU count.
-2. The recipe: parsed with the overrides the launch will pass (every key, type and range), the
-   mixture's entries, local data paths, a local model path and a resume_from_checkpoint path, the Hub push's
-   id and token, an MLflow tracking server that does not answer, and every lint rule that needs no model config
-   (world size, launcher settings as the accelerate config exports them). A few seconds: the recipe dataclasses import TRL, nothing loads a
-   model or data. The rules that need the model's config.json run again at start, in every process.
+2. The recipe: parsed with the overrides the launch will pass (every key, type and range), the mixture's entries,
+   local data paths, a local model path and a resume_from_checkpoint path, the Hub push's id and token (the token
+   asked of the Hub, once per node), an MLflow tracking server that does not answer, and every lint rule that needs
+   no model config (world size, launcher settings as the accelerate config exports them). A few seconds: the recipe
+   dataclasses import TRL, nothing loads a model or data. The rules that need the model's config.json run again at
+   start, in every process.
 What the config launches (nodes, processes per node) is `sft_recipes.launch`'s.
 """
 
@@ -58,7 +59,7 @@ def recipe_refusal(config_path: str, recipe_path: str, overrides: list[str], wor
     from sft_recipes.fault.resume import refuse_a_resume_path_without_a_checkpoint
     from sft_recipes.lint import LintContext, lint_recipe
     from sft_recipes.loading import refuse_a_missing_local_model
-    from sft_recipes.reporting.hub import take_over_hub_push
+    from sft_recipes.reporting.hub import refuse_a_token_that_cannot_push, take_over_hub_push
     from sft_recipes.reporting.tracking import refuse_a_tracking_server_that_does_not_answer
 
     try:
@@ -74,7 +75,8 @@ def recipe_refusal(config_path: str, recipe_path: str, overrides: list[str], wor
             refuse_a_missing_local_model(recipe.model.model_name_or_path)
             refuse_a_resume_path_without_a_checkpoint(recipe.training.resume_from_checkpoint,
                                                       recipe.training.output_dir)
-            take_over_hub_push(recipe.training)
+            if push := take_over_hub_push(recipe.training):
+                refuse_a_token_that_cannot_push(push)
             refuse_a_tracking_server_that_does_not_answer(recipe.training, recipe.model.mlflow_experiment_name)
             world = world_size or accelerate_config.num_processes
             lint_recipe(recipe, LintContext(world_size=world, has_accelerator=has_accelerator))

@@ -50,6 +50,29 @@ def take_over_hub_push(training_args) -> HubPush | None:
     return push
 
 
+def refuse_a_token_that_cannot_push(push: HubPush) -> None:
+    """A token the Hub rejects (401), or a read-only one, would fail the push after training: refused by the launch
+    pre-check, once per node (the Hub rate-limits whoami strictly, so not once per rank). Whatever else happens
+    asking (a busy Hub, a timeout) is left to the push, which asks again."""
+    import httpx2  # huggingface_hub's HTTP client: every error of its request is one of its HTTPError
+    from huggingface_hub import HfApi
+
+    try:
+        who = HfApi().whoami(token=hub_token())
+    except (httpx2.HTTPError, ValueError) as err:  # ValueError: an answer that is not the Hub's JSON (a proxy's page)
+        response = getattr(err, "response", None)
+        if response is not None and response.status_code == 401:
+            raise RecipeError(f"push_to_hub: true, but the Hugging Face Hub rejects the token in HF_TOKEN (401, "
+                              f"invalid or revoked): the push of {push.repo_id} after training would fail. Set HF_TOKEN "
+                              "to a token with write access (https://huggingface.co/settings/tokens).") from None
+        return
+    token = (who.get("auth") or {}).get("accessToken") or {}
+    if token.get("role") == "read":
+        raise RecipeError(f"push_to_hub: true, but the token in HF_TOKEN ({token.get('displayName', 'unnamed')}) is "
+                          f"read-only: the Hub would refuse the push of {push.repo_id} after training. Set HF_TOKEN to "
+                          f"a write token, or a fine-grained one that may write to {push.repo_id.split('/')[0]}.")
+
+
 def refuse_a_push_without_an_id(training_args) -> None:
     """The recipe's half of a push (the dry run checks it too; the token is the training machine's, not the plan's)."""
     if training_args.push_to_hub and not training_args.hub_model_id:
