@@ -182,8 +182,8 @@ def test_an_export_that_cannot_be_scored_is_one_refusal_and_stays(tmp_path):
 
 
 @contextlib.contextmanager
-def a_hub_that_closes_every_connection():
-    """An HF_ENDPOINT that takes connections and closes them unanswered: a request to it fails at once."""
+def a_proxy_that_closes_every_connection():
+    """An HTTPS_PROXY that takes connections and closes them unanswered: a request through it fails at once."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         def close_each():
             with contextlib.suppress(OSError):  # the server closed
@@ -206,7 +206,9 @@ def test_run_scores_base_and_tuned_refuses_a_regression_and_evaluate_py_agrees(t
                                          "output": row["choices"][1 - row["label"]]}) + "\n"
                              for row in task_rows[:WRONG_ROWS]) * 3)  # 18 rows: more than one global batch of 16
     store = tmp_path / "mlflow.db"
-    with a_hub_that_closes_every_connection() as hub:  # where no connection opens, the push is refused at start
+    # The Hub behind a proxy: the push is not refused at start (the proxy connects, not this machine), and would fail
+    # at once if the gate let it through. HTTPS_PROXY, unlike HF_ENDPOINT, lets the warm launcher serve the run.
+    with a_proxy_that_closes_every_connection() as proxy:
         result = launch_sft(TINY_LLAMA_RECIPE, "--max_steps", str(REGRESSION_STEPS), "--learning_rate",
                             str(REGRESSION_LEARNING_RATE), "--dataset_name", str(wrong), "--output_dir", str(out),
                             "--save_strategy", "'no'", "--sample_prompts", "[]",
@@ -214,7 +216,7 @@ def test_run_scores_base_and_tuned_refuses_a_regression_and_evaluate_py_agrees(t
                             "--eval_max_gen_toks", "4", "--per_device_eval_batch_size", "4",
                             "--eval_cache_dir", str(cache), "--eval_max_regression", "{alpaca_answers: 0.1}",
                             "--push_to_hub", "true", "--hub_model_id", "me/tiny-benchmarks",
-                            env={"HF_TOKEN": FAKE_TOKEN, "HF_ENDPOINT": hub,
+                            env={"HF_TOKEN": FAKE_TOKEN, "HTTPS_PROXY": proxy,
                                  "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}, check=False)
     assert rank_exit_codes(result.stderr) == {0: 2, 1: 2}, result.stderr[-3000:]  # every rank refused
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
