@@ -124,7 +124,7 @@ def cache_only(model_name_or_path: str) -> str | None:
 def hub_unreachable() -> str | None:
     """Why asking the Hugging Face Hub could only fail, or None: HF_HUB_OFFLINE, or no connection to its host
     (`network.unreachable`: it does not resolve, or a firewall refuses or drops it; not asked behind a proxy). One
-    connection per process, no request: where huggingface_hub would retry each file for ~30 s."""
+    connection (its answer serves a run's start), no request: where huggingface_hub would retry each file for ~30 s."""
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:

@@ -421,10 +421,10 @@ def _fit_problems(recipe_path: Path, overrides: dict, config: AccelerateConfig, 
     try:
         base = plan({})
     except ConfigNotInTheCache as err:
-        config_file = (f"--model-config {err.shipped.as_posix()}` (shipped with this clone)" if err.shipped else
-                       "--model-config CONFIG.json` (the model's config.json, or its directory)")
+        config_file = (f"`--model-config {err.shipped.as_posix()}` (shipped with this clone)" if err.shipped else
+                       "`--model-config CONFIG.json` (the model's config.json, or its directory)")
         return [Problem(f"the memory plan was not checked: {err.name} is not in the Hugging Face cache and the "
-                        f"planner never downloads: pass `{config_file}, or run `.venv/bin/hf download {err.name} "
+                        f"planner never downloads: pass {config_file}, or run `.venv/bin/hf download {err.name} "
                         "config.json` first", True)]
     except RecipeError as err:
         return [Problem(f"the recipe's --dry-run plan fails: {err}")]

@@ -61,11 +61,11 @@ def refuse_a_token_that_cannot_push(push: HubPush) -> None:
         who = HfApi().whoami(token=hub_token())
     except (httpx2.HTTPError, ValueError) as err:  # ValueError: an answer that is not the Hub's JSON (a proxy's page)
         response = getattr(err, "response", None)
-        if response is not None and response.status_code == 401:
-            raise RecipeError(f"push_to_hub: true, but the Hugging Face Hub rejects the token in HF_TOKEN (401, "
-                              f"invalid or revoked): the push of {push.repo_id} after training would fail. Set HF_TOKEN "
-                              "to a token with write access (https://huggingface.co/settings/tokens).") from None
-        return
+        if response is None or response.status_code != 401:
+            return
+        raise RecipeError(f"push_to_hub: true, but the Hugging Face Hub rejects the token in HF_TOKEN (401, invalid or "
+                          f"revoked): the push of {push.repo_id} after training would fail. Set HF_TOKEN to a token "
+                          "with write access (https://huggingface.co/settings/tokens).") from None
     token = (who.get("auth") or {}).get("accessToken") or {}
     if token.get("role") == "read":
         raise RecipeError(f"push_to_hub: true, but the token in HF_TOKEN ({token.get('displayName', 'unnamed')}) is "
