@@ -19,7 +19,6 @@ param must keep its value in one run: what a retry may change is logged as tags 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -64,22 +63,6 @@ def configure_mlflow(training_args, experiment_name: str | None) -> str | None:
 TRACKING_CHECK_TIMEOUT_S = 30
 
 
-@contextlib.contextmanager
-def one_request_without_retries():
-    """MLflow's client asks once, for at most TRACKING_CHECK_TIMEOUT_S, inside this block (both read at each request).
-    Its default is 7 retries with backoff, each up to 120 s."""
-    saved = {name: os.environ.get(name) for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
-    os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(TRACKING_CHECK_TIMEOUT_S))
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
-
-
 def refuse_a_tracking_server_that_does_not_answer(training_args, experiment_name: str | None) -> None:
     """An MLflow tracking server (an http(s) MLFLOW_TRACKING_URI) that does not answer, or refuses the request
     MLflow's logging makes first, is refused before anything loads. MLflow's client retries each request 7 times:
@@ -91,11 +74,14 @@ def refuse_a_tracking_server_that_does_not_answer(training_args, experiment_name
         return  # a local store, or Databricks' (its workspace's host and credentials)
     reason = network.unreachable(uri)
     if reason is None:
+        from accelerate.utils import patch_environment
         from mlflow import MlflowClient
         from mlflow.exceptions import MlflowException
 
-        try:
-            with one_request_without_retries():  # what transformers' MLflowCallback asks first (set_experiment)
+        try:  # once (MLflow's default: 7 retries with backoff, each up to 120 s); both are read at each request
+            with patch_environment(MLFLOW_HTTP_REQUEST_MAX_RETRIES=0,
+                                   MLFLOW_HTTP_REQUEST_TIMEOUT=TRACKING_CHECK_TIMEOUT_S):
+                # what transformers' MLflowCallback asks first (set_experiment)
                 MlflowClient(uri).get_experiment_by_name(os.environ.get("MLFLOW_EXPERIMENT_NAME") or experiment_name
                                                          or "Default")
         except MlflowException as err:
