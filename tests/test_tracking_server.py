@@ -23,12 +23,15 @@ FIX = ("start it or fix MLFLOW_TRACKING_URI (and MLFLOW_TRACKING_TOKEN, or _USER
 
 def test_a_server_that_answers_as_mlflow_passes_with_one_request(monkeypatch):
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "77")  # the user's own, for MLflow's logging
     not_there = {"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "Could not find experiment with name 'sft-x'"}
     with an_http_server(404, not_there) as (uri, asked):  # what MLflow answers for an experiment not yet made
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
         refuse_a_tracking_server_that_does_not_answer(MLFLOW_RUN, "sft-x")
     assert asked == ["/api/2.0/mlflow/experiments/get-by-name?experiment_name=sft-x"]
-    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ and "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
+    # the check's single try is its own: MLflow's logging gets the environment back as it was
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ and os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "77"
 
 
 def test_a_server_that_refuses_the_request_is_one_line_after_one_request(monkeypatch):
