@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Seconds from `accelerate launch` to the first logged step of the tiny Llama twin (2 CPU processes), best of N.
+"""Seconds from `accelerate launch` to the first logged step of the tiny Llama twin (2 CPU processes), best of N;
+and what the whole launch took, in wall-clock seconds and in CPU seconds summed over the launcher and its ranks.
 
     .venv/bin/python benchmarks/startup_time.py                       # this checkout, best of 5
     .venv/bin/python benchmarks/startup_time.py --repo ../other-clone   # another checkout (its own .venv), e.g. before
     .venv/bin/python benchmarks/startup_time.py --floor                 # also: what the imports alone cost
 
 Each launch is `make demo`'s command with `--max_steps 2 --report_to none` into a fresh output_dir; the clock
-stops when the console prints `step 1/` and again when the launcher exits.
+stops when the console prints `step 1/` and again when the launcher exits. The CPU seconds are the launch's
+processes' user + system time (`RUSAGE_CHILDREN`: the launcher waits for its ranks, so theirs are counted in it).
 
 `--floor` times, in fresh interpreters of the same venv, the imports a launch cannot do without: the launcher's
 (before it starts any rank) and one rank's (the libraries a full fine-tune of the Llama twin uses, with and without
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -29,12 +32,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment_header, markdown_table  # noqa: E402
 
 
-def one_launch(repo: Path, output_dir: Path) -> tuple[float, float]:
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def one_launch(repo: Path, output_dir: Path) -> tuple[float, float, float]:
     command = [str(repo / ".venv" / "bin" / "accelerate"), "launch", "--config_file", "accelerate_configs/fsdp2_cpu.yaml",
                "scripts/sft.py", "recipes/tiny/llama8b.yaml", "--max_steps", "2", "--report_to", "none",
                "--output_dir", str(output_dir)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    start = time.perf_counter()
+    start, cpu_before = time.perf_counter(), children_cpu_seconds()
     first_step = None
     with subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                           text=True) as launch:
@@ -42,7 +50,7 @@ def one_launch(repo: Path, output_dir: Path) -> tuple[float, float]:
             if first_step is None and line.startswith("step 1/"):
                 first_step = time.perf_counter() - start
     assert launch.returncode == 0 and first_step is not None, f"{command} failed ({launch.returncode})"
-    return first_step, time.perf_counter() - start
+    return first_step, time.perf_counter() - start, children_cpu_seconds() - cpu_before
 
 
 # A rank of a full fine-tune needs these whatever our code does: FSDP2, the model's modeling module, TRL's trainer,
@@ -95,13 +103,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for attempt in range(args.repeats):
             runs.append(one_launch(repo, Path(scratch) / f"run{attempt}"))
-    first, whole = [run[0] for run in runs], [run[1] for run in runs]
+    first, whole, cpu = [run[0] for run in runs], [run[1] for run in runs], [run[2] for run in runs]
     print(environment_header(f"Start-up: accelerate launch -> first logged step ({repo.name} at {commit.strip()})"))
     print(markdown_table(["", "best (s)", "median (s)", "all (s)"],
                          [["to step 1", f"{min(first):.1f}", f"{statistics.median(first):.1f}",
                            ", ".join(f"{value:.1f}" for value in first)],
                           ["whole launch (2 steps, export)", f"{min(whole):.1f}", f"{statistics.median(whole):.1f}",
-                           ", ".join(f"{value:.1f}" for value in whole)]]))
+                           ", ".join(f"{value:.1f}" for value in whole)],
+                          ["whole launch, CPU seconds of all its processes", f"{min(cpu):.1f}",
+                           f"{statistics.median(cpu):.1f}", ", ".join(f"{value:.1f}" for value in cpu)]]))
     if args.floor:
         print()
         print(floor_table(repo, args.repeats))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from functools import partial
 
 from sft_recipes.environment import set_runtime_defaults
 
@@ -26,6 +27,7 @@ from sft_recipes.distributed import process_group_destroyed_on_exit
 from sft_recipes.errors import one_line_refusals
 from sft_recipes.reporting.mlflow_status import mlflow_run_ended_by_outcome
 from sft_recipes.run import audit_data, complete_run, start_run
+from sft_recipes.script_exit import run_then_exit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,4 +64,5 @@ def main_then_tear_down() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(one_line_refusals(main_then_tear_down))  # the `error:` line, if any, is the last thing written
+    # the `error:` line, if any, is the last thing written; a clean end skips the interpreter's teardown (script_exit)
+    run_then_exit(partial(one_line_refusals, main_then_tear_down))

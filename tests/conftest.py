@@ -113,7 +113,8 @@ def _warm_run(cmd: list[str], env: dict[str, str], timeout: int) -> subprocess.C
     launcher = warm_launcher()
     if os.environ.get("SFT_TESTS_LAUNCHER") == "real" or not launcher.serves(env):
         return None
-    if len(cmd) >= 2 and cmd[0] in (sys.executable, bin_path("python")) and cmd[1].endswith(".py"):
+    # the venv's python by any name: the docs' `.venv/bin/python` is relative to the repository root
+    if len(cmd) >= 2 and str(REPO_ROOT / cmd[0]) in (sys.executable, bin_path("python")) and cmd[1].endswith(".py"):
         return launcher.run(cmd[1], cmd[2:], env, timeout)
     if cmd[:2] == [bin_path("accelerate"), "launch"]:
         flags, rest = {}, cmd[2:]
@@ -256,7 +257,7 @@ AREAS = {
     "reporting": ("console", "export_check", "metrics", "reporting", "samples_chat", "summary", "vision_samples",
                   "smollm2", "mlflow_status", "replies", "benchmark_scores", "tracking_server"),
     "entry": ("config", "recipes", "readme_commands", "notebooks", "python_api", "parameters_file",
-              "workload_check", "workload_global_batch", "workload_runs", "suite_layout", "one_process_api",
+              "workload_check", "workload_global_batch", "workload_runs", "suite_layout", "one_process_api", "script_exit",
               "new_workload"),
 }
 AREA_OF_FILE = {f"test_{name}.py": area for area, names in AREAS.items() for name in names}

@@ -35,6 +35,7 @@ from sft_recipes.errors import RecipeError
 logger = logging.getLogger("sft")
 
 DEFAULT_STORE = "mlruns.db"
+ASYNC_LOGGING_BUFFER_SECONDS = 1  # a step's metrics reach the store within this, in one batch with the steps beside it
 SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "DATABRICKS_TOKEN", "MLFLOW_TRACKING_TOKEN")
 
 
@@ -54,6 +55,10 @@ def configure_mlflow(training_args, experiment_name: str | None) -> str | None:
     if not mlflow_enabled(training_args):
         return None
     os.environ["MLFLOW_TRACKING_URI"] = tracking_uri()
+    # transformers logs each step's metrics asynchronously. MLflow's logging thread, when not told to buffer, waits for
+    # the next metric with queue.get(timeout=1), so `end_run` waited up to 1 s at the end of every run. Buffering
+    # waits on the stop event instead, which `end_run` sets: measured 1.01 s -> 0.02 s, every metric logged.
+    os.environ.setdefault("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", str(ASYNC_LOGGING_BUFFER_SECONDS))
     if experiment_name and not os.environ.get("MLFLOW_RUN_ID"):  # an injected run's experiment wins
         os.environ.setdefault("MLFLOW_EXPERIMENT_NAME", experiment_name)
     return os.environ["MLFLOW_TRACKING_URI"]
