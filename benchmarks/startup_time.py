@@ -5,6 +5,7 @@ and what the whole launch took, in wall-clock seconds and in CPU seconds summed 
     .venv/bin/python benchmarks/startup_time.py                       # this checkout, best of 5
     .venv/bin/python benchmarks/startup_time.py --repo ../other-clone   # another checkout (its own .venv), e.g. before
     .venv/bin/python benchmarks/startup_time.py --floor                 # also: what the imports alone cost
+    .venv/bin/python benchmarks/startup_time.py --teardown              # also: what a process's end costs
 
 Each launch is `make demo`'s command with `--max_steps 2 --report_to none` into a fresh output_dir; the clock
 stops when the console prints `step 1/` and again when the launcher exits. The CPU seconds are the launch's
@@ -14,6 +15,10 @@ processes' user + system time (`RUSAGE_CHILDREN`: the launcher waits for its ran
 (before it starts any rank) and one rank's (the libraries a full fine-tune of the Llama twin uses, with and without
 peft, then with scripts/sft.py's own). The launcher's plus one rank's is the least any launch of this structure can
 take before its first step, whatever our code does.
+
+`--teardown` times, in fresh interpreters, the CPU seconds from the end of a script that made a rank's imports
+(`sft_recipes.run`'s) to the end of its process: through the interpreter's finalization, and through
+`sft_recipes.script_exit` (what scripts/sft.py does at a clean end).
 """
 
 from __future__ import annotations
@@ -82,6 +87,33 @@ def import_seconds(repo: Path, code: str) -> float:
     return time.perf_counter() - start
 
 
+RANK_IMPORTS = ("import time; from sft_recipes.environment import set_runtime_defaults; set_runtime_defaults(); "
+                "import sft_recipes.run; print(time.process_time(), flush=True)")
+TEARDOWNS = (
+    ("the interpreter's exit (finalization)", RANK_IMPORTS),
+    ("`sft_recipes.script_exit` (threads, atexit, flush, `os._exit`)",
+     RANK_IMPORTS + "; from sft_recipes.script_exit import exit_like_the_interpreter; exit_like_the_interpreter(0)"),
+)
+
+
+def teardown_seconds(repo: Path, code: str) -> float:
+    """CPU seconds the process spent after the script's last line: its whole CPU time less what it had used then."""
+    before = children_cpu_seconds()
+    done = subprocess.run([str(repo / ".venv" / "bin" / "python"), "-c", code], cwd=repo, check=True,
+                          capture_output=True, text=True)
+    return children_cpu_seconds() - before - float(done.stdout.split()[-1])
+
+
+def teardown_table(repo: Path, repeats: int) -> str:
+    rows = []
+    for what, code in TEARDOWNS:
+        seconds = [teardown_seconds(repo, code) for _ in range(repeats)]
+        rows.append([what, f"{min(seconds):.2f}", f"{statistics.median(seconds):.2f}",
+                     ", ".join(f"{value:.2f}" for value in seconds)])
+    return markdown_table(["a rank's imports, then the end of the process", "best CPU (s)", "median CPU (s)",
+                           "all (s)"], rows)
+
+
 def floor_table(repo: Path, repeats: int) -> str:
     rows = []
     for what, code in FLOOR_IMPORTS:
@@ -96,6 +128,7 @@ def main() -> None:
     parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[1])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--floor", action="store_true", help="also time the imports a launch cannot do without")
+    parser.add_argument("--teardown", action="store_true", help="also time a process's end after a rank's imports")
     args = parser.parse_args()
     repo = args.repo.resolve()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True).stdout
@@ -115,6 +148,9 @@ def main() -> None:
     if args.floor:
         print()
         print(floor_table(repo, args.repeats))
+    if args.teardown:
+        print()
+        print(teardown_table(repo, args.repeats))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import REPO_ROOT
-from fault_helpers import finish, process_state, start_run, wait_for, worker_pid
+from fault_helpers import finish, process_state, rank_exit_codes, start_run, wait_for, worker_pid
 
 pytestmark = pytest.mark.fsdp
 
@@ -51,6 +51,8 @@ def test_nonfinite_steps_are_skipped_and_three_in_a_row_stop_with_a_checkpoint(t
     assert skipped == [3, 5, 6, 7]
     assert "(1 in a row, 2 in total" in result.output  # step 4 was finite: the count in a row restarted
     assert "error: stopped at step 7: 3 optimizer steps in a row had a non-finite gradient norm" in result.output
+    # every rank exits 1 on its own: torchrun stopped none first (rank 0 killed before its line was out: -15)
+    assert rank_exit_codes(result.output) == {0: 1, 1: 1}, result.output[-3000:]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-7"]
     # Steps 5-7 changed nothing: no update, no weight decay, no Adam state, so checkpoint-7 == checkpoint-4.
     for part in ("pytorch_model_fsdp_0", "optimizer_0"):

@@ -66,6 +66,10 @@ def preload() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot  # noqa: F401
     import mlflow  # noqa: F401
+    # What an MLflow run imports at its first call (its sqlite store: sqlalchemy, alembic; git for the source tags):
+    # ~0.9 s on rank 0 of every such run otherwise
+    import git  # noqa: F401
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
     import peft  # noqa: F401
     import torch.distributed.run  # noqa: F401
     import trl  # noqa: F401

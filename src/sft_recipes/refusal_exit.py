@@ -17,6 +17,10 @@ same instant: a rank still finding it, or already past it but still tearing down
 
 A rank that never refuses (it failed otherwise, or waits in a collective for this one) costs the
 refusing ranks at most `WAIT_SECONDS`; the launcher then stops it as before.
+
+The non-finite stop (`fault.nonfinite`: every rank stops at the same step, rank 0 prints one `error:` line, exit 1)
+leaves the same way: once ranks skip the interpreter's teardown (`script_exit`), a rank with nothing to print
+exited first and torchrun stopped rank 0 before its line was out.
 """
 
 from __future__ import annotations

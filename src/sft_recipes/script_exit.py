@@ -4,14 +4,15 @@ When a script's main returns, the interpreter joins the threads that are not dae
 `concurrent.futures` executors), runs the atexit handlers (logging's, MLflow's, `weakref.finalize`'s), flushes
 stdout and stderr, and then finalizes: it clears every module and collects every object still alive. In a
 process that imported torch, transformers, TRL and datasets (~475,000 objects tracked by gc) that last part
-costs ~1.4 s of CPU, in every process of every run, on top of the ~2 s a 2-process tiny run trains (measured in
-benchmarks/startup_time_2026-12-06.md). Python does not promise to call `__del__` on what is alive at exit, and
-nothing a run writes waits for it: every file is closed or flushed before (train.log through stdout's tee).
+costs ~1.3 s of CPU, in every process of every run (measured in benchmarks/startup_time_2026-12-06.md). Python
+does not promise to call `__del__` on what is alive at exit, and nothing a run writes waits for it: every file is
+closed or flushed before (train.log line by line, through stdout's tee).
 
 `run_then_exit` does the first three steps as the interpreter does them and then ends the process with
-`os._exit`, as torch's DataLoader workers and multiprocessing's children end. Only a clean end takes this way:
-a return or a `SystemExit` with a status (a refusal's 2, a preemption's 75). An uncaught exception leaves through
-the interpreter, which prints its traceback and exits 1 as before.
+`os._exit`, as multiprocessing's forked children (torch's DataLoader workers among them) end. Only a clean end
+takes this way: a return or a `SystemExit` with a status (a refusal's 2, a preemption's 75). An uncaught exception
+leaves through the interpreter, which prints its traceback and exits 1 as before. Ranks that end sooner must not
+leave before a rank that still has a line to print: see `refusal_exit`.
 """
 
 from __future__ import annotations

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 
 import torch
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
 from sft_recipes.fault.agreement import agree_sum
+from sft_recipes.refusal_exit import refusing_together
 from sft_recipes.reporting.tracking import mlflow_enabled
 
 logger = logging.getLogger(__name__)
+NONFINITE_STOP_EXIT_CODE = 1  # not a refusal (2): nothing in the recipe or the command is wrong as such
 
 
 def local_grad_norm_squared(model: torch.nn.Module) -> float:
@@ -74,12 +77,15 @@ class NonFiniteGuard(TrainerCallback):
             control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.halted_at_step is not None:
-            if not state.is_world_process_zero:
-                raise SystemExit(1)
-            raise SystemExit(
-                f"error: stopped at step {self.halted_at_step}: {self.max_in_a_row} optimizer steps in a row had a "
-                f"non-finite gradient norm (skipped steps: {self.skipped_steps}). {args.output_dir}/checkpoint-"
-                f"{self.halted_at_step} holds the last finite weights. Look for the cause (learning_rate too high, "
-                "bf16 overflow, a corrupt row), fix it and resume; max_nonfinite_steps_in_a_row sets the patience."
-            )
+        if self.halted_at_step is None:
+            return
+        # Every rank stops here together. Rank 0 prints the line, and no rank exits before every rank got here
+        # (as a refusal: refusal_exit), so torchrun stops none of them first -- rank 0 before its line was out.
+        with refusing_together(NONFINITE_STOP_EXIT_CODE):
+            if state.is_world_process_zero:
+                print(f"error: stopped at step {self.halted_at_step}: {self.max_in_a_row} optimizer steps in a row had "
+                      f"a non-finite gradient norm (skipped steps: {self.skipped_steps}). {args.output_dir}/checkpoint-"
+                      f"{self.halted_at_step} holds the last finite weights. Look for the cause (learning_rate too "
+                      "high, bf16 overflow, a corrupt row), fix it and resume; max_nonfinite_steps_in_a_row sets the "
+                      "patience.", file=sys.stderr, flush=True)
+        raise SystemExit(NONFINITE_STOP_EXIT_CODE)
