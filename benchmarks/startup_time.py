@@ -104,23 +104,24 @@ def teardown_seconds(repo: Path, code: str) -> float:
     return children_cpu_seconds() - before - float(done.stdout.split()[-1])
 
 
-def teardown_table(repo: Path, repeats: int) -> str:
+def best_median_all_table(headers: list[str], cases, measure, repo: Path, repeats: int) -> str:
+    """One row per (what, code) case: `measure(repo, code)` taken `repeats` times, its best, median and every value."""
     rows = []
-    for what, code in TEARDOWNS:
-        seconds = [teardown_seconds(repo, code) for _ in range(repeats)]
+    for what, code in cases:
+        seconds = [measure(repo, code) for _ in range(repeats)]
         rows.append([what, f"{min(seconds):.2f}", f"{statistics.median(seconds):.2f}",
                      ", ".join(f"{value:.2f}" for value in seconds)])
-    return markdown_table(["a rank's imports, then the end of the process", "best CPU (s)", "median CPU (s)",
-                           "all (s)"], rows)
+    return markdown_table(headers, rows)
+
+
+def teardown_table(repo: Path, repeats: int) -> str:
+    return best_median_all_table(["a rank's imports, then the end of the process", "best CPU (s)", "median CPU (s)",
+                                  "all (s)"], TEARDOWNS, teardown_seconds, repo, repeats)
 
 
 def floor_table(repo: Path, repeats: int) -> str:
-    rows = []
-    for what, code in FLOOR_IMPORTS:
-        seconds = [import_seconds(repo, code) for _ in range(repeats)]
-        rows.append([what, f"{min(seconds):.2f}", f"{statistics.median(seconds):.2f}",
-                     ", ".join(f"{value:.2f}" for value in seconds)])
-    return markdown_table(["imports in a fresh interpreter", "best (s)", "median (s)", "all (s)"], rows)
+    return best_median_all_table(["imports in a fresh interpreter", "best (s)", "median (s)", "all (s)"],
+                                 FLOOR_IMPORTS, import_seconds, repo, repeats)
 
 
 def main() -> None:

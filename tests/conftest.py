@@ -257,8 +257,8 @@ AREAS = {
     "reporting": ("console", "export_check", "metrics", "reporting", "samples_chat", "summary", "vision_samples",
                   "smollm2", "mlflow_status", "replies", "benchmark_scores", "tracking_server"),
     "entry": ("config", "recipes", "readme_commands", "notebooks", "python_api", "parameters_file",
-              "workload_check", "workload_global_batch", "workload_runs", "suite_layout", "one_process_api", "script_exit",
-              "new_workload"),
+              "workload_check", "workload_global_batch", "workload_runs", "suite_layout", "one_process_api",
+              "new_workload", "script_exit"),
 }
 AREA_OF_FILE = {f"test_{name}.py": area for area, names in AREAS.items() for name in names}
 
