@@ -25,7 +25,6 @@ SCRIPT = textwrap.dedent("""
             print("finalized", flush=True)
 
     alive_at_exit = Finalized()
-    events = []
 
     def late_thread():
         time.sleep(0.3)

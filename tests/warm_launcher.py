@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 POLL_SECONDS = 0.1  # torchrun's --monitor_interval default
 STOP_GRACE_SECONDS = 30  # torchrun's wait between SIGTERM and SIGKILL when it stops the other workers
@@ -172,7 +173,6 @@ def fork_worker(request: dict, rank_env: dict[str, str], out: int, err: int) -> 
     pid = os.fork()
     if pid:
         return pid
-    code = 1
     try:
         os.environ.update(rank_env)
         os.dup2(out, 1)
@@ -181,15 +181,18 @@ def fork_worker(request: dict, rank_env: dict[str, str], out: int, err: int) -> 
         os.dup2(null, 0)
         sys.stdout.reconfigure(line_buffering=True, write_through=True)  # torchrun runs `python -u`
         sys.stderr.reconfigure(line_buffering=True, write_through=True)
-        code = run_script(request["script"], request["args"])
+        run_script(request["script"], request["args"])
     finally:
-        os._exit(code)
+        os._exit(1)  # only if the worker's own set-up failed: run_script ends the process itself
 
 
-def run_script(script: str, args: list[str]) -> int:
-    """`python SCRIPT ARGS` in this process, exiting as the interpreter would."""
+def run_script(script: str, args: list[str]) -> NoReturn:
+    """`python SCRIPT ARGS` in this process, exiting as the interpreter would (less its teardown, as a clean end of
+    scripts/sft.py does: the fork's copy of the server's objects is never collected either way)."""
     import random
     import runpy
+
+    from sft_recipes.script_exit import exit_like_the_interpreter
 
     random.seed()  # a fresh process seeds `random` from the OS; forks share the parent's state
     sys.argv = [script, *args]
@@ -205,10 +208,7 @@ def run_script(script: str, args: list[str]) -> int:
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
-    threading._shutdown()  # the interpreter's own exit: join non-daemon threads, then atexit
-    atexit._run_exitfuncs()
-    sys.stdout.flush(), sys.stderr.flush()
-    return code
+    exit_like_the_interpreter(code)
 
 
 def monitor(workers: dict[int, int], script: str, err: int) -> int:
