@@ -1,6 +1,6 @@
-"""Two spawned processes train one FSDP2 step over gloo, tear the group down, and report which of gloo's native
-threads are still running (for tests/test_distributed.py): the threads a finished run must not leave to
-interpreter exit."""
+"""Two worker processes (tests/worker_processes.py) train one FSDP2 step over gloo, tear the group down, and
+report which of gloo's native threads are still running (for tests/test_distributed.py): the threads a finished run
+must not leave to interpreter exit."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-import torch.multiprocessing as mp
+from worker_processes import worker_context
 
 GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")  # gloo's transport loop, ProcessGroupGloo's workers
 
@@ -61,7 +61,7 @@ def _worker(rank: int, port: int, teardown: str, results: str) -> None:
 
 def gloo_threads_after(teardown: str, results: Path, port: int) -> list[dict[str, list[str]]]:
     """Per rank, gloo's threads while training and after the teardown ("ours" or torch's destroy_process_group)."""
-    context = mp.get_context("spawn")
+    context = worker_context()
     workers = [context.Process(target=_worker, args=(rank, port, teardown, str(results))) for rank in range(2)]
     for worker in workers:
         worker.start()

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conftest import CPU_CONFIG, REPO_ROOT, TINY_LLAMA_RECIPE, bin_path, free_port, log_launch
+from conftest import CPU_CONFIG, REPO_ROOT, TINY_LLAMA_RECIPE, bin_path, free_port, log_launch, run_command
 
 FAULT_LAUNCHER = REPO_ROOT / "tests" / "fault_injection.py"
 RUN_TIMEOUT = 240
@@ -56,6 +56,14 @@ def start_run(*overrides: str, env: dict[str, str] | None = None, recipe: Path =
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 **(env or {})}
     return Run(cmd, full_env)
+
+
+def launch_with_faults(*overrides: str, env: dict[str, str] | None = None, recipe: Path = TINY_LLAMA_RECIPE,
+                       config: Path = CPU_CONFIG, nproc: int = 2) -> subprocess.CompletedProcess:
+    """`accelerate launch` of tests/fault_injection.py to the end, for a run that nothing signals or stops from
+    outside (its faults and probes come from `env`): through `run_command`, so the warm launcher (docs/testing.md)."""
+    return run_command([bin_path("accelerate"), "launch", "--config_file", str(config), "--num_processes", str(nproc),
+                        "--main_process_port", str(free_port()), str(FAULT_LAUNCHER), str(recipe), *overrides], env)
 
 
 def _children(pid: int) -> list[int]:

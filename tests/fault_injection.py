@@ -126,15 +126,18 @@ def install_faults() -> None:
     trainer_cls._save_rng_state = save_rng_state
 
     if os.environ.get("FAULT_END_TOGETHER"):  # report what RecipeSFTTrainer's EndOfDataTogetherMixin takes
-        import sft_recipes.trainer
+        # Patched on the class, as above: a run forked by the warm launcher has sft_recipes.run imported already, with
+        # its own reference to the class
+        from sft_recipes.trainer import RecipeSFTTrainer
 
-        class ReportingTrainer(sft_recipes.trainer.RecipeSFTTrainer):
-            def get_batch_samples(self, epoch_iterator, num_batches, device):
-                batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
-                print(f"BATCHES rank={RANK} step={self.state.global_step + 1} n={len(batches)}", flush=True)
-                return batches, items
+        original_get_batch_samples = RecipeSFTTrainer.get_batch_samples
 
-        sft_recipes.trainer.RecipeSFTTrainer = ReportingTrainer
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            batches, items = original_get_batch_samples(self, epoch_iterator, num_batches, device)
+            print(f"BATCHES rank={RANK} step={self.state.global_step + 1} n={len(batches)}", flush=True)
+            return batches, items
+
+        RecipeSFTTrainer.get_batch_samples = get_batch_samples
 
 
 if __name__ == "__main__":

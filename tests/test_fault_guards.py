@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import REPO_ROOT
-from fault_helpers import finish, process_state, rank_exit_codes, start_run, wait_for, worker_pid
+from fault_helpers import finish, launch_with_faults, process_state, rank_exit_codes, start_run, wait_for, worker_pid
 
 pytestmark = pytest.mark.fsdp
 
@@ -89,13 +89,14 @@ def test_uneven_shards_end_every_pass_on_the_same_step(tmp_path):
     rows = (REPO_ROOT / "data" / "samples" / "alpaca.jsonl").read_text().splitlines()
     (shards / "train-00000.jsonl").write_text("\n".join(rows[:40]) + "\n")
     (shards / "train-00001.jsonl").write_text("\n".join(rows[40:48]) + "\n")
-    run = start_run("--max_steps", "4", "--dataset_name", str(shards), "--dataset_streaming", "true",
-                    "--accelerator_config", json.dumps({"dispatch_batches": False}), "--save_steps", "100",
-                    "--output_dir", str(tmp_path / "uneven"), "--report_to", "none", env={"FAULT_END_TOGETHER": "1"})
-    result = finish(run)
-    assert result.returncode == 0, result.output[-4000:]
+    result = launch_with_faults("--max_steps", "4", "--dataset_name", str(shards), "--dataset_streaming", "true",
+                                "--accelerator_config", json.dumps({"dispatch_batches": False}), "--save_steps", "100",
+                                "--output_dir", str(tmp_path / "uneven"), "--report_to", "none",
+                                env={"FAULT_END_TOGETHER": "1"})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
     taken = {rank: [(int(step), int(n)) for step, n in
-                    re.findall(rf"BATCHES rank={rank} step=(\d+) n=(\d+)", result.output)] for rank in (0, 1)}
+                    re.findall(rf"BATCHES rank={rank} step=(\d+) n=(\d+)", output)] for rank in (0, 1)}
     # Both ranks take the same number of batches at every call: same collectives, same step.
     assert taken[0] == taken[1]
     # Step 1 uses rank 1's whole shard (8 rows = 2 batches of 4); then the pass is over for both ranks

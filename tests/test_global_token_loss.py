@@ -13,10 +13,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import free_port
 from datasets import Dataset
 from trl import SFTConfig
+from worker_processes import worker_context
 
 from sft_recipes.architectures.registry import prepare_for_packing
 from sft_recipes.tiny import AUTO_MODEL_CLASSES, build_tokenizer, tiny_config
@@ -106,7 +106,7 @@ def token_mean_reference(family: str, packed: bool) -> tuple[float, torch.Tensor
 @pytest.mark.fsdp
 def test_step_loss_and_gradients_are_the_global_token_mean_across_ranks_and_accumulation(tmp_path):
     tokenizers = {family: build_tokenizer(family, vocab_size=512) for family in FAMILIES}
-    context = mp.get_context("spawn")
+    context = worker_context()
     workers = [  # one process alone, and two together, at the same time
         context.Process(target=step_worker, args=(rank, world_size, port, str(tmp_path), tokenizers))
         for world_size, port in ((1, free_port()), (2, free_port()))

@@ -17,11 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import (
-    HSDP_CPU_CONFIG, TINY_LLAMA_RECIPE, assert_resume_reproduces, bin_path, free_port, launch_sft, read_summary,
-    run_command,
-)
-from fault_helpers import FAULT_LAUNCHER, finish, process_state, start_run, wait_for, worker_pid
+from conftest import HSDP_CPU_CONFIG, TINY_LLAMA_RECIPE, assert_resume_reproduces, launch_sft, read_summary
+from fault_helpers import finish, launch_with_faults, process_state, start_run, wait_for, worker_pid
 
 pytestmark = pytest.mark.fsdp
 
@@ -42,9 +39,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hsdp")
     common = (*COMMON, *GLOBAL_BATCH)
     # Through the warm launcher: the real `accelerate launch` of HSDP 2 x 2 is the killed and hung runs' below
-    hsdp = run_command([bin_path("accelerate"), "launch", "--config_file", str(HSDP_CPU_CONFIG), "--num_processes", "4",
-                        "--main_process_port", str(free_port()), str(FAULT_LAUNCHER), str(TINY_LLAMA_RECIPE), *common,
-                        "--output_dir", str(root / "hsdp")], env={"PROBE_LOCAL_SHARDS": str(root / "shards")})
+    hsdp = launch_with_faults(*common, "--output_dir", str(root / "hsdp"), env={"PROBE_LOCAL_SHARDS": str(root / "shards")},
+                              config=HSDP_CPU_CONFIG, nproc=4)
     hsdp_output = hsdp.stdout + hsdp.stderr
     assert hsdp.returncode == 0, hsdp_output[-6000:]
     launch_sft(TINY_LLAMA_RECIPE, *common, "--output_dir", str(root / "flat4"), nproc=4)

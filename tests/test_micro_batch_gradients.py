@@ -11,16 +11,16 @@ import json
 
 import pytest
 
-from fault_helpers import start_run
+from fault_helpers import launch_with_faults
 
 pytestmark = pytest.mark.fsdp
 
 
 def test_each_micro_batch_reduce_scatters_and_no_rank_keeps_the_unsharded_gradient(tmp_path):
     # recipes/tiny/llama8b.yaml: gradient_accumulation_steps 2, so 2 micro-batches in the one step
-    run = start_run("--max_steps", "1", "--output_dir", str(tmp_path / "run"), "--save_steps", "100",
-                    "--report_to", "none", env={"PROBE_MICRO_GRADS": str(tmp_path / "grads")})
-    assert run.wait() == 0, run.output[-3000:]
+    run = launch_with_faults("--max_steps", "1", "--output_dir", str(tmp_path / "run"), "--save_steps", "100",
+                             "--report_to", "none", env={"PROBE_MICRO_GRADS": str(tmp_path / "grads")})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     shards = []
     for rank in (0, 1):
         micro_batches = [json.loads(line) for line in (tmp_path / "grads" / f"rank{rank}.jsonl").read_text().splitlines()]

@@ -20,10 +20,8 @@ import time
 
 import pytest
 
-from conftest import (
-    CPU_CONFIG, TINY_LLAMA_RECIPE, assert_resume_reproduces, bin_path, free_port, read_summary, run_command,
-)
-from fault_helpers import FAULT_LAUNCHER, Run, complete, start_run, wait_for, worker_pid
+from conftest import CPU_CONFIG, TINY_LLAMA_RECIPE, assert_resume_reproduces, free_port, read_summary
+from fault_helpers import Run, complete, launch_with_faults, start_run, wait_for, worker_pid
 from in_process_worker import outcomes, run_in_processes
 
 pytestmark = pytest.mark.fsdp
@@ -91,9 +89,7 @@ def retried(tmp_path_factory):
 
     # The runtime's retry: the same command, the same MLFLOW_RUN_ID. Nothing signals it, so it goes through the
     # warm launcher (the first attempt is the real `accelerate launch` whose workers are killed), unslowed.
-    second = run_command([bin_path("accelerate"), "launch", "--config_file", str(CPU_CONFIG), "--num_processes", "2",
-                          "--main_process_port", str(free_port()), str(FAULT_LAUNCHER), str(TINY_LLAMA_RECIPE),
-                          *launch_arguments(output_dir)], env=env)
+    second = launch_with_faults(*launch_arguments(output_dir), env=env)
     assert second.returncode == 0, (second.stdout + second.stderr)[-6000:]
     return {"store": store, "output_dir": output_dir, "run_id": run_id, "killed": workers}
 

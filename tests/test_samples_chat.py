@@ -13,11 +13,11 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO_ROOT, bin_path, free_port, run_command
+from worker_processes import spawn
 from sft_recipes.errors import one_line_refusals
 from sft_recipes.reporting.load_export import export_kind, load_export
 from sft_recipes.config import load_recipe
@@ -186,7 +186,7 @@ def _lockstep_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None
 @pytest.mark.fsdp
 def test_lockstep_generation_under_fsdp2_matches_one_process(tiny_llama, tmp_path):
     path, model, tokenizer = tiny_llama
-    mp.spawn(_lockstep_worker, args=(free_port(), path, str(tmp_path)), nprocs=2, join=True)
+    spawn(_lockstep_worker, (free_port(), path, str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]  # same answers, same number of forward calls: no rank waits alone
     assert ranks[0]["answers"] == generate_answers(model, tokenizer, PROMPTS, MAX_NEW)

@@ -7,17 +7,16 @@ go wrong: a rank mixing only its own chunk (no exchange), and labels shifted aft
 
 import copy
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from conftest import free_port
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from test_packing_equivalence import ARCHITECTURES, LAYOUTS, packed_batch, tiny_model
+from worker_processes import spawn
 
 from sft_recipes.data.collator import IGNORE_INDEX
 from sft_recipes.data.sequence_shards import shard_block, shift_labels
@@ -260,8 +259,7 @@ def sequence_parallel_worker(rank: int, port: int, out_path: str) -> None:
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory) -> dict:
     out_path = tmp_path_factory.mktemp("sp") / "results.json"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(sequence_parallel_worker, args=(free_port(), str(out_path)), nprocs=SP_SIZE)
+    spawn(sequence_parallel_worker, args=(free_port(), str(out_path)), nprocs=SP_SIZE)
     return json.loads(out_path.read_text())
 
 
@@ -335,8 +333,7 @@ def two_groups_worker(rank: int, port: int, out_path: str) -> None:
 @pytest.mark.fsdp
 def test_the_exchange_is_right_in_every_group_of_two_groups(tmp_path):
     """4 gloo ranks as SP groups {0, 1} and {2, 3}: torch.distributed.nn's all_to_all failed in the second."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(two_groups_worker, args=(free_port(), str(tmp_path)), nprocs=GROUPS_OF_TWO)
+    spawn(two_groups_worker, args=(free_port(), str(tmp_path)), nprocs=GROUPS_OF_TWO)
     results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(GROUPS_OF_TWO)]
     for rank, result in enumerate(results):
         group, sp_rank = divmod(rank, 2)

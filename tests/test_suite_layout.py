@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import AREAS, CPU_CONFIG, REPO_ROOT, TINY_LLAMA_RECIPE, bin_path, free_port, run_command
 from warm_launcher import import_time_environment
+from worker_processes import PRELOADED
 
 
 def test_every_test_file_is_in_exactly_one_area():
@@ -29,6 +30,14 @@ def test_an_area_that_does_not_exist_is_refused_not_an_empty_run():
         pytest_configure(configured("dat"))
     for accepted in ("data", "fsdp", "not fsdp and not slow", ""):
         pytest_configure(configured(accepted))
+
+
+def test_every_module_the_worker_server_preloads_exists():
+    """multiprocessing's forkserver skips a preloaded name that does not import, without a word: a misspelt one would
+    only make every gloo worker test import it again (tests/worker_processes.py)."""
+    import importlib.util
+
+    assert [name for name in PRELOADED if importlib.util.find_spec(name) is None] == []
 
 
 def test_a_variable_read_at_import_time_sends_the_run_to_the_real_launcher():

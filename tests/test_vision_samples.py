@@ -254,11 +254,10 @@ def _lockstep_worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.fsdp  # text prompts in lockstep: tests/test_samples_chat.py
 def test_image_prompts_answer_in_lockstep_under_fsdp2_as_in_one_process(model, processing, square_prompt, tmp_path):
-    import torch.multiprocessing as mp
-
     from conftest import free_port
+    from worker_processes import spawn
 
-    mp.spawn(_lockstep_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_lockstep_worker, (free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert ranks[0] == ranks[1]  # same answers, same number of forward calls: no rank waits alone
     assert ranks[0]["answers"] == generate_answers(model, processing.tokenizer, [square_prompt], max_new_tokens=3)
