@@ -86,6 +86,19 @@ def an_http_server(status: int, body: dict):
             server.shutdown()
 
 
+@contextlib.contextmanager
+def a_proxy_that_closes_every_connection():
+    """An HTTPS_PROXY that takes connections and closes them unanswered: a request through it fails at once."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        def close_each():
+            with contextlib.suppress(OSError):  # the server closed
+                while True:
+                    server.accept()[0].close()
+
+        threading.Thread(target=close_each, daemon=True).start()
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
 def bin_path(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 

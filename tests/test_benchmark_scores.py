@@ -7,16 +7,17 @@ import contextlib
 import importlib.util
 import json
 import re
-import socket
 import sys
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
 
-from conftest import REALWORLD, REPO_ROOT, TINY_LLAMA_RECIPE, bin_path, free_port, launch_sft, read_summary, run_command
+from conftest import (
+    REALWORLD, REPO_ROOT, TINY_LLAMA_RECIPE, a_proxy_that_closes_every_connection, bin_path, free_port, launch_sft,
+    read_summary, run_command,
+)
 from fault_helpers import rank_exit_codes
 from sft_recipes.errors import RecipeError, one_line_refusals
 from sft_recipes.loading import resolve_model_path
@@ -179,19 +180,6 @@ def test_an_export_that_cannot_be_scored_is_one_refusal_and_stays(tmp_path):
     assert benchmarks.rows == [] and benchmarks.refusal.startswith("scoring the export on eval_tasks failed (")
     assert f"the export in {export} is kept and was not pushed" in benchmarks.refusal
     assert (export / "config.json").is_file()
-
-
-@contextlib.contextmanager
-def a_proxy_that_closes_every_connection():
-    """An HTTPS_PROXY that takes connections and closes them unanswered: a request through it fails at once."""
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        def close_each():
-            with contextlib.suppress(OSError):  # the server closed
-                while True:
-                    server.accept()[0].close()
-
-        threading.Thread(target=close_each, daemon=True).start()
-        yield f"http://127.0.0.1:{server.getsockname()[1]}"
 
 
 @pytest.mark.fsdp

@@ -10,14 +10,17 @@ import pytest
 import yaml
 from huggingface_hub import ModelCard
 
-from conftest import TINY_LLAMA_RECIPE, an_http_server
+from conftest import TINY_LLAMA_RECIPE, a_proxy_that_closes_every_connection, an_http_server, launch_sft, read_summary
+from fault_helpers import rank_exit_codes
 from sft_recipes.errors import RecipeError
 from sft_recipes.reporting.card import CardFacts, base_license, data_sources_from, last_logged, write_model_card
 from sft_recipes.reporting.curves import (
     CURVES_FILE, TrainingCurvesCallback, draw_training_curves, series, write_training_curves,
 )
 from sft_recipes.reporting.export_check import ExportCheck
-from sft_recipes.reporting.hub import HubPush, files_to_upload, push_export, take_over_hub_push
+from sft_recipes.reporting.hub import (
+    HubPush, files_to_upload, push_export, push_or_refusal, take_over_hub_push, upload_command,
+)
 from sft_recipes.reporting.mlflow_artifacts import log_output_dir_artifacts
 
 LOG_HISTORY = [
@@ -260,6 +263,67 @@ def test_no_push_without_a_passed_export_check(export_dir, monkeypatch, check, r
     assert api.calls == []
 
 
+def test_the_upload_command_publishes_what_the_push_does(export_dir):
+    """The `hf upload` an `error:` line hands over: the export's top-level files, not its checkpoint-4/."""
+    import shlex
+
+    from huggingface_hub.utils import filter_repo_objects
+
+    command = shlex.split(upload_command(HubPush("me/model", private=True), export_dir))
+    assert command[:4] == [".venv/bin/hf", "upload", "me/model", str(export_dir)] and command[-1] == "--private"
+    excluded = command[command.index("--exclude") + 1]
+    every_file = [str(path.relative_to(export_dir)) for path in export_dir.rglob("*") if path.is_file()]
+    assert "checkpoint-4/model.safetensors" in every_file
+    assert sorted(filter_repo_objects(every_file, ignore_patterns=[excluded])) == files_to_upload(export_dir)
+    assert "--private" not in upload_command(HubPush("me/model", private=False), export_dir)
+
+
+class FailingApi(RecordingApi):
+    def __init__(self, error):
+        super().__init__()
+        self.error = error
+
+    def upload_folder(self, **kwargs):
+        raise self.error
+
+
+def test_a_push_the_hub_fails_is_a_refusal_that_keeps_the_export_and_names_the_upload(export_dir, monkeypatch):
+    import httpx2
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    monkeypatch.setenv("HF_TOKEN", "hf_abc")
+    push, passed = HubPush("me/model", private=True), ExportCheck("passed", 0.0)
+    kept = (f"The export is kept there, checked, with its card and run_summary.json: upload it once the Hub answers, "
+            f'with `.venv/bin/hf upload me/model {export_dir} --exclude "*/*" --private`')
+    for error, reason in ((httpx2.ConnectError("[Errno 111] Connection refused\nmore"), "ConnectError: [Errno 111] Connection refused"),
+                          (OfflineModeIsEnabled(), "OfflineModeIsEnabled")):
+        assert push_or_refusal(push, export_dir, passed, api=FailingApi(error)) == (
+            f"the push of {export_dir} to me/model on the Hugging Face Hub failed ({reason}). {kept}")
+    assert push_or_refusal(push, export_dir, passed, api=RecordingApi()) is None
+    with pytest.raises(RuntimeError, match="Not pushing"):  # an unchecked export is our refusal to push, not the Hub's
+        push_or_refusal(push, export_dir, ExportCheck("skipped"), api=RecordingApi())
+
+
+@pytest.mark.fsdp
+def test_a_push_the_hub_fails_after_training_is_one_line_on_every_rank_and_the_export_stays(tmp_path):
+    out = tmp_path / "out"
+    # The Hub behind a proxy that closes every connection: not refused at start (the proxy connects, not this
+    # machine), the push after training fails at once.
+    with a_proxy_that_closes_every_connection() as proxy:
+        result = launch_sft(TINY_LLAMA_RECIPE, "--max_steps", "2", "--save_steps", "1000", "--sample_prompts", "[]",
+                            "--report_to", "none", "--output_dir", str(out), "--push_to_hub", "true",
+                            "--hub_model_id", "me/tiny-push", env={"HF_TOKEN": "hf_push_test", "HTTPS_PROXY": proxy},
+                            check=False)
+    assert rank_exit_codes(result.stderr) == {0: 2, 1: 2}, result.stderr[-3000:]  # every rank refused
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: the push of {out} to me/tiny-push on the Hugging Face "
+                                                     "Hub failed ("), result.stderr[-3000:]
+    assert errors[0].endswith(f'with `.venv/bin/hf upload me/tiny-push {out} --exclude "*/*" --private`')
+    assert "Traceback" not in result.stderr
+    assert [line for line in result.stdout.splitlines() if line.startswith("[train] 2 steps in ")]  # the closing line
+    assert read_summary(out)["steps"] == 2 and (out / "model.safetensors").is_file() and (out / "README.md").is_file()
+
+
 class HubArgs:
     def __init__(self, push_to_hub=True, hub_model_id="me/model", hub_private_repo=None):
         self.push_to_hub, self.hub_model_id, self.hub_private_repo = push_to_hub, hub_model_id, hub_private_repo
@@ -290,7 +354,7 @@ def test_a_push_where_the_hub_cannot_be_asked_is_refused_before_training(monkeyp
     assert str(refused.value) == (
         "push_to_hub: true, but the Hugging Face Hub cannot be asked from here (huggingface.co does not resolve: no "
         "network): the push after training would fail. Set push_to_hub: false and upload the export later "
-        "(`.venv/bin/hf upload me/model OUTPUT_DIR`), or run where the Hub answers.")
+        '(`.venv/bin/hf upload me/model OUTPUT_DIR --exclude "*/*" --private`), or run where the Hub answers.')
     assert take_over_hub_push(HubArgs(push_to_hub=False)) is None  # no push, nothing to refuse
 
 

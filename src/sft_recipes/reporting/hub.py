@@ -4,6 +4,8 @@ The recipe's `push_to_hub` / `hub_model_id` / `hub_private_repo` are TRL's own S
 `take_over_hub_push` reads them and switches the Trainer's push off (it would create the repo at
 start and push unchecked weights at every save), so the only push is ours: after the export check
 passed, from rank 0, with the token from the environment, through `HfApi.upload_folder` unmodified.
+A push the Hub fails after training (no connection, an HTTP error) is a refusal, not a traceback: the export stays,
+and the `error:` line holds the `hf upload` command that publishes the same files (`push_or_refusal`).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def take_over_hub_push(training_args) -> HubPush | None:
     if unreachable := loading.hub_unreachable():  # refused now, not after the training it would follow
         raise RecipeError(f"push_to_hub: true, but the Hugging Face Hub cannot be asked from here ({unreachable}): the "
                           "push after training would fail. Set push_to_hub: false and upload the export later "
-                          f"(`.venv/bin/hf upload {push.repo_id} OUTPUT_DIR`), or run where the Hub answers.")
+                          f"(`{upload_command(push, 'OUTPUT_DIR')}`), or run where the Hub answers.")
     return push
 
 
@@ -123,3 +125,24 @@ def push_export(push: HubPush, output_dir: str | Path, export_check: ExportCheck
     api.create_repo(push.repo_id, private=push.private, exist_ok=True, token=token)
     return api.upload_folder(repo_id=push.repo_id, folder_path=str(output_dir), allow_patterns=files, token=token,
                              commit_message="Upload fine-tuned model (sft-recipes)")
+
+
+def upload_command(push: HubPush, output_dir: str | Path) -> str:
+    """The `hf upload` that publishes what `push_export` does: output_dir's top-level files. `--exclude "*/*"`: its
+    checkpoint-*/ and other folders stay home (the CLI matches each path with fnmatch, whose `*` crosses folders)."""
+    return f'.venv/bin/hf upload {push.repo_id} {output_dir} --exclude "*/*"' + (" --private" if push.private else "")
+
+
+def push_or_refusal(push: HubPush, output_dir: str | Path, export_check: ExportCheck, api=None) -> str | None:
+    """`push_export`; when the Hub fails it (no connection, a proxy, an HTTP error after huggingface_hub's retries),
+    the refusal: the export is kept, and the command that uploads it. None: pushed."""
+    import httpx2  # huggingface_hub's HTTP client: its transport errors are not OSErrors, its HTTP errors are both
+
+    try:
+        push_export(push, output_dir, export_check, api)
+    except (httpx2.HTTPError, OSError) as err:
+        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}" if str(err).strip() else type(err).__name__
+        return (f"the push of {output_dir} to {push.repo_id} on the Hugging Face Hub failed ({reason}). The export "
+                f"is kept there, checked, with its card and run_summary.json: upload it once the Hub answers, with "
+                f"`{upload_command(push, output_dir)}`")
+    return None

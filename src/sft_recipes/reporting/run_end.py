@@ -1,7 +1,8 @@
 """The reporting half of a run's finish step, on rank 0 after the export and its check.
 
 Order: samples (already written by `write_samples` from the export check's reloaded model), model
-card, MLflow artifacts, then the Hub push (refused unless the export check passed).
+card, MLflow artifacts, then the Hub push (refused unless the export check passed; a push the Hub fails is a
+refusal that keeps the export: reporting/hub.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from sft_recipes.reporting.card import CardFacts, base_license, data_sources_from, last_logged, write_model_card
 from sft_recipes.reporting.export_check import ExportCheck
-from sft_recipes.reporting.hub import HubPush, push_export
+from sft_recipes.reporting.hub import HubPush, push_or_refusal
 from sft_recipes.reporting.mlflow_artifacts import log_output_dir_artifacts
 from sft_recipes.reporting.samples import random_stand_in
 from sft_recipes.scores.compare import SCORES_PICTURE, draw_scores, mlflow_metrics
@@ -51,9 +52,10 @@ def card_facts_for_run(recipe, state, model_path: str | Path, export_check: Expo
 
 def report_run_end(recipe, state, model_path: str | Path, output_dir: str | Path, export_check: ExportCheck,
                    mlflow_run_id: str | None, hub_push: HubPush | None, data_sources: list[dict] | None = None,
-                   benchmarks=None) -> None:
+                   benchmarks=None) -> str | None:
     """Rank 0: write the card (and the benchmark picture), log the run's files and benchmark scores to MLflow, push
-    when asked. Call after run_summary.json. `benchmarks`: run/scoring.py's Benchmarks, or None."""
+    when asked. Call after run_summary.json. `benchmarks`: run/scoring.py's Benchmarks, or None. Returns the push's
+    refusal (the Hub failed it), None otherwise."""
     if benchmarks is not None and benchmarks.rows:
         draw_scores(benchmarks.rows, Path(output_dir) / SCORES_PICTURE)
     card = write_model_card(card_facts_for_run(recipe, state, model_path, export_check, data_sources, benchmarks),
@@ -66,7 +68,10 @@ def report_run_end(recipe, state, model_path: str | Path, output_dir: str | Path
         client = MlflowClient()
         for key, value in mlflow_metrics(benchmarks.rows).items():
             client.log_metric(mlflow_run_id, key, value)
-    if hub_push is not None:
-        push_export(hub_push, output_dir, export_check)
-        logger.info("pushed %s to https://huggingface.co/%s (%s)", output_dir, hub_push.repo_id,
-                    "private" if hub_push.private else "public")
+    if hub_push is None:
+        return None
+    if refusal := push_or_refusal(hub_push, output_dir, export_check):
+        return refusal
+    logger.info("pushed %s to https://huggingface.co/%s (%s)", output_dir, hub_push.repo_id,
+                "private" if hub_push.private else "public")
+    return None

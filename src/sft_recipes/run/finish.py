@@ -1,6 +1,7 @@
 """The end of a run: export (consolidated checkpoint or adapter), the reload check, samples, the summary,
 benchmark scores of the export and the base (run/scoring.py), the model card, MLflow artifacts and the
-optional Hub push (not for a regressed export)."""
+optional Hub push (not for a regressed export). A regression, an export that could not be scored, or a push the Hub
+failed refuses the run on every rank (run/outcome.py), the export kept."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from sft_recipes.reporting.export_check import ExportCheck
 from sft_recipes.reporting.load_export import load_export
 from sft_recipes.reporting.run_end import report_run_end
 from sft_recipes.reporting.samples import prompt_style, random_stand_in, sample_settings, write_samples
-from sft_recipes.run.scoring import publish_outcome, score_run, wait_for_outcome, wants_benchmarks
+from sft_recipes.run.outcome import publish_outcome, rank_0_may_refuse_at_the_end, wait_for_outcome
+from sft_recipes.run.scoring import score_run, wants_benchmarks
 from sft_recipes.run.setup import Run
 from sft_recipes.run.training import Training
 
@@ -72,8 +74,9 @@ def finish(run: Run, training: Training) -> RunResult:
                        eval_loss=summary.eval_losses[max(summary.eval_losses)] if summary.eval_losses else None,
                        export_check=export_check, mlflow_run_id=summary.mlflow_run_id,
                        summary=None)
+    rank_0_decides = rank_0_may_refuse_at_the_end(recipe.training, run.hub_push)
     if not run.is_main:
-        if wants_benchmarks(recipe.training) and (refusal := wait_for_outcome()):
+        if rank_0_decides and (refusal := wait_for_outcome()):
             raise RecipeError(refusal)  # rank 0 prints it; every rank exits 2
         return result
     # a VLM's image processor: the export loads as it came in
@@ -90,9 +93,9 @@ def finish(run: Run, training: Training) -> RunResult:
         benchmarks = score_run(run, output_dir)
         report["benchmarks"] = benchmarks.as_summary()
         Path(output_dir, "run_summary.json").write_text(json.dumps(report, indent=2))
-    report_run_end(recipe, trainer.state, run.source.path, output_dir, result.export_check,
-                   summary.mlflow_run_id, None if benchmarks and benchmarks.refusal else run.hub_push,
-                   benchmarks=benchmarks)
+    refusal = benchmarks.refusal if benchmarks is not None else None
+    refusal = report_run_end(recipe, trainer.state, run.source.path, output_dir, result.export_check,
+                             summary.mlflow_run_id, None if refusal else run.hub_push, benchmarks=benchmarks) or refusal
     waiting = data_wait_warning(report["seconds_per_step"], report["seconds_waiting_for_data_per_step"],
                                 recipe.training.dataloader_num_workers)
     if waiting:
@@ -103,8 +106,8 @@ def finish(run: Run, training: Training) -> RunResult:
         for line in comparison_lines(report["benchmarks"]["tasks"]) or [f"scoring failed: {benchmarks.error}"]:
             print(f"[benchmarks] {line}", flush=True)
     print(summary.closing_line(report), flush=True)
-    if benchmarks is not None:
-        publish_outcome(benchmarks.refusal)
-        if benchmarks.refusal:
-            raise RecipeError(benchmarks.refusal)
+    if rank_0_decides:
+        publish_outcome(refusal)
+    if refusal:
+        raise RecipeError(refusal)
     return dataclasses.replace(result, summary=report)

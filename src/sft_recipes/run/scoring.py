@@ -1,30 +1,23 @@
 """After the export check: the export and the base model scored on the recipe's `eval_tasks`, and the gate.
 
 Rank 0 scores both models (the same tasks and settings, each task cached by model, revision and task, so a
-re-run scores the base once) while the other ranks wait for the outcome in the launcher's store, not in a
-collective (no collective timeout bounds an evaluation). A tuned model that fell below the base by more than
-`eval_max_regression`, or an export that could not be scored, ends the run with one `error:` line and exit 2
-on every rank, after the export, its summary and its card are written: the export is never lost.
+re-run scores the base once) while the other ranks wait for the outcome (run/outcome.py). A tuned model that fell
+below the base by more than `eval_max_regression`, or an export that could not be scored, ends the run with one
+`error:` line and exit 2 on every rank, after the export, its summary and its card are written: the export is
+never lost.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import logging
-import os
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from sft_recipes.scores.compare import Comparison, compare, regression_refusal
 
 logger = logging.getLogger("sft")
-
-OUTCOME_KEY = "sft_recipes/benchmark_outcome"
-OUTCOME_WAIT = timedelta(days=1)  # rank 0 scoring a large model on full tasks; a crashed rank 0 ends the launch
-
 
 @dataclass(frozen=True)
 class Benchmarks:
@@ -82,33 +75,3 @@ def score_run(run, output_dir: str | Path) -> Benchmarks:
                           f"scripts/evaluate.py {output_dir} (train.log has the traceback)", error)
     rows = compare(base, tuned, training.eval_max_regression)
     return Benchmarks(rows, described, regression_refusal(rows, output_dir))
-
-
-def _launch_store():
-    """The launcher's TCPStore (torchrun's agent, or the tests' warm launcher); None for one process."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    import torch.distributed as dist
-
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=OUTCOME_WAIT)
-
-
-def _outcome_key() -> str:
-    return f"{OUTCOME_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
-def publish_outcome(refusal: str | None) -> None:
-    """Rank 0: tell the waiting ranks whether the run is refused."""
-    store = _launch_store()
-    if store is not None:
-        store.set(_outcome_key(), json.dumps({"refusal": refusal}))
-
-
-def wait_for_outcome() -> str | None:
-    """A rank other than 0: rank 0's refusal (None: the run passed), once rank 0 has scored."""
-    store = _launch_store()
-    if store is None:
-        return None
-    store.wait([_outcome_key()], OUTCOME_WAIT)
-    return json.loads(store.get(_outcome_key()))["refusal"]
