@@ -235,7 +235,9 @@ def single_rank_group(tmp_path_factory):
     dist.destroy_process_group()
 
 
-LAUNCH_ENV_PREFIXES = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")  # what an accelerate config exports
+# What an accelerate config exports, and MLflow's (a platform injects them: one left behind sent a later run of the
+# worker to another experiment, where MLflow refused its injected run)
+LAUNCH_ENV_PREFIXES = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_", "MLFLOW_")
 
 
 @pytest.fixture(autouse=True)
