@@ -30,6 +30,7 @@ from sft_recipes.data.masking import check_renders_tools
 from sft_recipes.data.tools import ToolDataError, parsed_tools
 from sft_recipes.reporting.load_export import export_kind, load_export
 from sft_recipes.reporting.replies import ReplyStreamer, one_kernel_fallback_line, shown_reply
+from sft_recipes.script_exit import run_then_exit
 
 
 def answer(model, tokenizer, conversation: list[dict], max_new_tokens: int, temperature: float,
@@ -145,4 +146,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_then_exit(main)  # a clean end skips the interpreter's teardown of the loaded stack (script_exit)

@@ -29,6 +29,7 @@ import re
 import sys
 import tempfile
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 from sft_recipes.environment import set_runtime_defaults
@@ -37,6 +38,7 @@ set_runtime_defaults()
 
 from sft_recipes.command_line import OneLineParser, non_negative_int, positive_int
 from sft_recipes.errors import RecipeError, one_line_refusals
+from sft_recipes.script_exit import run_then_exit
 
 RESULTS_FILE = "benchmark_results.json"
 BACKENDS = {"hf": "transformers, in this process or in every process of the launch",
@@ -245,4 +247,5 @@ def main_then_tear_down() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(one_line_refusals(main_then_tear_down))  # the `error:` line, if any, is the last thing written
+    # the `error:` line, if any, is the last thing written; a clean end skips the interpreter's teardown (script_exit)
+    run_then_exit(partial(one_line_refusals, main_then_tear_down))

@@ -17,6 +17,7 @@ import argparse
 import json
 import shutil
 import sys
+from functools import partial
 from pathlib import Path
 
 from sft_recipes.command_line import OneLineParser
@@ -24,6 +25,7 @@ from sft_recipes.errors import RecipeError, one_line_refusals
 from sft_recipes.loading import DTYPES, cache_only
 from sft_recipes.merge import merge_checkpoint, verify_merge
 from sft_recipes.reporting.load_export import ADAPTER_CONFIG, output_dir_refusal
+from sft_recipes.script_exit import run_then_exit
 
 
 def parse_command_line(argv: list[str]) -> argparse.Namespace:
@@ -94,4 +96,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(one_line_refusals(main))
+    run_then_exit(partial(one_line_refusals, main))  # a clean end skips the interpreter's teardown (script_exit)

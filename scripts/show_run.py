@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from sft_recipes.errors import RecipeError, one_line_refusals
 from sft_recipes.reporting.export_check import ExportCheck
 from sft_recipes.reporting.load_export import export_kind, load_export, output_dir_refusal
 from sft_recipes.reporting.samples import PROMPT_STYLES, prompt_ids
+from sft_recipes.script_exit import run_then_exit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,4 +89,4 @@ def show(out: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_then_exit(main)  # a clean end skips the interpreter's teardown of the loaded stack (script_exit)
