@@ -19,6 +19,7 @@ from sft_recipes.scores.compare import Comparison, compare, regression_refusal
 
 logger = logging.getLogger("sft")
 
+
 @dataclass(frozen=True)
 class Benchmarks:
     """The comparison (empty when scoring failed), its settings, and why the run is refused (None: it is not)."""
