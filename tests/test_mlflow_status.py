@@ -84,7 +84,8 @@ def test_every_step_logged_asynchronously_reaches_the_store_when_the_run_ends(tm
 
     # Set (so recorded) before deleted: monkeypatch restores only what it changed, and configure_mlflow (and MLflow's
     # set_experiment) set the unset ones, which would stay in the pytest process (a later run would log to "sft-async")
-    for name in ("MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID", "MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS"):
+    for name in ("MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID",
+                 "MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS"):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")

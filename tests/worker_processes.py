@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch.multiprocessing as mp
 
 START_METHOD = "forkserver"
-# What the workers' modules import, the heaviest first; conftest brings torch, transformers' qwen3_5 (with fla), the package
+# What the workers' modules import, the heaviest first; conftest brings torch, transformers' qwen3_5 (with fla) and
+# the package
 PRELOADED = ("conftest", "accelerate", "datasets", "peft", "trl", "transformers.models.llama.modeling_llama",
              "torch.distributed.fsdp", "sft_recipes.trainer", "sft_recipes.tiny",
              "sft_recipes.architectures.sequence_parallel")

@@ -94,8 +94,10 @@ def finish(run: Run, training: Training) -> RunResult:
         report["benchmarks"] = benchmarks.as_summary()
         Path(output_dir, "run_summary.json").write_text(json.dumps(report, indent=2))
     refusal = benchmarks.refusal if benchmarks is not None else None
-    refusal = report_run_end(recipe, trainer.state, run.source.path, output_dir, result.export_check,
-                             summary.mlflow_run_id, None if refusal else run.hub_push, benchmarks=benchmarks) or refusal
+    push = None if refusal else run.hub_push  # a regressed or unscored export is never pushed
+    push_refusal = report_run_end(recipe, trainer.state, run.source.path, output_dir, result.export_check,
+                                  summary.mlflow_run_id, push, benchmarks=benchmarks)  # the card whatever the gate said
+    refusal = refusal or push_refusal
     waiting = data_wait_warning(report["seconds_per_step"], report["seconds_waiting_for_data_per_step"],
                                 recipe.training.dataloader_num_workers)
     if waiting:
